@@ -1,0 +1,199 @@
+"""Building blocks shared by the target models and the drafter.
+
+Hugging Face weight semantics throughout: rotate-half RoPE, unscaled q, kernels are the
+transpose of PyTorch's [out, in] weights. Activations are [B, T, ...]; attention heads are
+[B, T, heads, head_dim]. Norms and softmax run in float32 whatever the parameter dtype.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from peagle_jax.config import RopeConfig
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+}
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis; `offset=1` gives Gemma's (1 + w) scaling (w starts at 0)."""
+
+    def __init__(self, dim: int, eps: float, *, offset: float = 0.0, param_dtype=jnp.float32, rngs=None):
+        del rngs  # no randomness: ones (or zeros with an offset) like transformers
+        init = jnp.zeros if offset else jnp.ones
+        self.weight = nnx.Param(init((dim,), param_dtype))
+        self.eps = eps
+        self.offset = offset
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.offset:  # Gemma scales in float32, then casts
+            return (y * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+        return self.weight[...] * y.astype(x.dtype)  # Llama casts, then scales
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
+    """Rotate-half RoPE. x [B, T, heads, D], positions [B, T] (any int, padding included)."""
+    inv_freq = jnp.asarray(rope.inv_freq(x.shape[-1]))
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def causal_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None = None) -> jax.Array:
+    """[B, Tq, Tk] visibility by position: k_pos <= q_pos, both valid (>= 0), inside the window."""
+    q = q_pos[:, :, None]
+    k = k_pos[:, None, :]
+    mask = (k <= q) & (k >= 0) & (q >= 0)
+    if window is not None:
+        mask &= q - k < window
+    return mask
+
+
+def dot_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    mask: jax.Array,
+    *,
+    scale: float,
+    softcap: float | None = None,
+) -> jax.Array:
+    """Dense GQA attention. q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], mask [B, Tq, Tk] bool.
+
+    Query head h reads kv head h // (Hq // Hkv) (transformers' repeat_kv). Rows with no
+    visible key give 0.
+    """
+    b, tq, hq, d = q.shape
+    hkv = k.shape[2]
+    qg = q.reshape(b, tq, hkv, hq // hkv, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        scores = softcap * jnp.tanh(scores / softcap)
+    m = mask[:, None, None, :, :]
+    scores = jnp.where(m, scores, -jnp.inf)
+    peak = jnp.max(scores, axis=-1, keepdims=True)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
+    weights = jnp.where(m, jnp.exp(scores - peak), 0.0)
+    denom = jnp.sum(weights, axis=-1, keepdims=True)
+    probs = (weights / jnp.where(denom > 0, denom, 1.0)).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
+    return out.reshape(b, tq, hq, d).astype(q.dtype)
+
+
+def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+    """Writes new [B, T, Hkv, D] into cache [B, S, Hkv, D] at index = position.
+
+    Negative positions (padding) and positions past the cache are dropped, not wrapped.
+    """
+    size = cache.shape[1]
+    idx = jnp.where((positions >= 0) & (positions < size), positions, size)
+    rows = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[rows, idx].set(new.astype(cache.dtype), mode="drop")
+
+
+class Attention(nnx.Module):
+    """Multi-head GQA attention with RoPE, optional q/k RMSNorm and bias.
+
+    `in_features` may differ from the output width (the EAGLE-3 fused layer reads 2H).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        rope: RopeConfig,
+        scale: float,
+        bias: bool = False,
+        qk_norm_eps: float | None = None,
+        norm_offset: float = 0.0,
+        softcap: float | None = None,
+        window: int | None = None,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        def linear(fin, fout, use_bias):
+            return nnx.Linear(fin, fout, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        self.q_proj = linear(in_features, num_heads * head_dim, bias)
+        self.k_proj = linear(in_features, num_kv_heads * head_dim, bias)
+        self.v_proj = linear(in_features, num_kv_heads * head_dim, bias)
+        self.o_proj = linear(num_heads * head_dim, out_features, False)
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset, param_dtype=param_dtype)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset, param_dtype=param_dtype)
+        self.qk_norm = qk_norm_eps is not None
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope, self.scale, self.softcap, self.window = rope, scale, softcap, window
+
+    def project(self, x: jax.Array, positions: jax.Array):
+        """q [B, T, Hq, D] and k, v [B, T, Hkv, D], normed and rotated."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope), v
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        kv_cache: tuple[jax.Array, jax.Array] | None = None,
+        mask: jax.Array | None = None,
+    ):
+        """Returns (output [B, T, out], new (k, v) cache or None).
+
+        Without a cache the keys are this call's tokens; with one, the new keys are written
+        at their positions first and the queries read the whole cache (index = position).
+        `mask` [B, T, keys] replaces the positional causal mask (the drafter's COD rule).
+        """
+        q, k, v = self.project(x, positions)
+        if kv_cache is None:
+            keys, values, k_pos = k, v, positions
+        else:
+            keys = write_kv(kv_cache[0], k, positions)
+            values = write_kv(kv_cache[1], v, positions)
+            k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
+        if mask is None:
+            mask = causal_mask(positions, k_pos, self.window)
+        out = dot_attention(q, keys, values, mask, scale=self.scale, softcap=self.softcap)
+        b, t = x.shape[:2]
+        new_cache = None if kv_cache is None else (keys, values)
+        return self.o_proj(out.reshape(b, t, -1)), new_cache
+
+
+class MLP(nnx.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU for Llama/Qwen, GeGLU for Gemma."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False,
+                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
+
+        def linear(fin, fout):
+            return nnx.Linear(fin, fout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+        self.gate_proj = linear(hidden, intermediate)
+        self.up_proj = linear(hidden, intermediate)
+        self.down_proj = linear(intermediate, hidden)
+        self.act = act
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))

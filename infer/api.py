@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infer.prompts import encode_conversation
 from peagle_jax import speculative as sp
 
 Prompt = Sequence[int] | str | Sequence[dict]
@@ -43,16 +44,12 @@ def _param_dtype(state):
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
-    """Token ids of one prompt: ids pass through; strings and conversations use the chat
-    template when the tokenizer has one (a string becomes one user turn), else plain text."""
+    """Token ids of one prompt: ids pass through; strings and conversations go through
+    `infer.prompts.encode_conversation` (the chat template when the tokenizer has one)."""
     if isinstance(prompt, str) or (len(prompt) and isinstance(prompt[0], dict)):
         if tokenizer is None:
             raise ValueError("a text prompt needs a target folder with a tokenizer; pass token ids instead")
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        if getattr(tokenizer, "chat_template", None):
-            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-        return list(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+        return encode_conversation(tokenizer, prompt)
     return [int(t) for t in prompt]
 
 
@@ -62,16 +59,17 @@ class SpeculativeDecoder:
 
     k: drafts per round. `deep_k`: what to do when k exceeds the depth the drafter was
     trained for ("error" or "warn"). `cache_len`: fixed KV cache length (default: sized per
-    call from the prompts and max_new_tokens).
+    call from the prompts and max_new_tokens). `prompt_pad`: prompts are right-padded to a
+    multiple of it (a larger value = fewer compiles over varied prompts).
     """
 
     def __init__(self, target, drafter=None, k: int = 7, mode: str = "parallel", *,
-                 deep_k: str = "error", cache_len: int | None = None):
+                 deep_k: str = "error", cache_len: int | None = None, prompt_pad: int = 64):
         if mode not in sp.MODES:
             raise ValueError(f"mode must be one of {sp.MODES}, got {mode!r}")
         self.target, self.drafter, self.mode = target, drafter, mode
         self.k = 0 if mode == "none" else int(k)
-        self.cache_len = cache_len
+        self.cache_len, self.prompt_pad = cache_len, prompt_pad
         tcfg = target.config
         self.aux_layer_ids = tuple(target.aux_layer_ids)
         if mode != "none":
@@ -121,7 +119,7 @@ class SpeculativeDecoder:
             raise ValueError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the "
                              f"target's max_position_embeddings={limit}")
         b = _pow2(len(ids))
-        p = min(_round_up(longest, 64), cache_len)
+        p = min(_round_up(longest, self.prompt_pad), cache_len)
         prompt = np.zeros((b, p), np.int32)
         lens = np.zeros((b,), np.int32)
         for i, row in enumerate(ids):

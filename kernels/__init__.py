@@ -1,0 +1,19 @@
+"""Attention kernels for the P-EAGLE pattern (and plain causal / sliding-window attention).
+
+    from kernels import AttentionSpec, attention
+    spec = AttentionSpec.peagle(anchor, depth, doc)          # [B, T] int32 each
+    out = attention(q, k, v, spec)                           # q [B,T,Hq,D], k/v [B,T,Hkv,D]
+
+Backends: ``kernels.xla`` (blockwise pure JAX, every platform), ``kernels.gpu`` (Pallas,
+Triton lowering), ``kernels.tpu`` (Pallas, Mosaic TPU), ``kernels.reference`` (dense, the
+truth for tests). Block schedules (``kernels.schedule``) are computed inside jit from the
+per-row metadata. ``kernels.layouts.cod_layout`` builds COD row layouts for tests/benches.
+This package depends on nothing else in the project.
+"""
+from . import layouts, reference, schedule
+from .api import attention, resolve_backend
+from .schedule import BlockSchedule, make_schedule
+from .spec import AttentionSpec, visible
+
+__all__ = ["AttentionSpec", "attention", "resolve_backend", "visible", "BlockSchedule",
+           "make_schedule", "reference", "schedule", "layouts"]

@@ -275,9 +275,16 @@ def _parse_gemma3(cfg: dict, where: str, common: dict, rope_params) -> TargetCon
         sandwich_norms=True,
         embed_scale=float(np.float32(hidden**0.5)),
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", common["head_dim"])),
-        attn_logit_softcapping=cfg.get("attn_logit_softcapping"),
+        # Gemma 3 replaced attention-logit softcapping by q/k norms: transformers 5.x never passes
+        # `attn_logit_softcapping` to its Gemma 3 attention, so a non-null value is ignored here too
+        # (the released checkpoints have null; tests/test_target.py sets 3.0 to pin this down).
+        attn_logit_softcapping=None,
         final_logit_softcapping=cfg.get("final_logit_softcapping"),
     )
+
+
+def _int_if_integral(x):
+    return int(x) if isinstance(x, float) and x.is_integer() else x
 
 
 def _to_hf(c: TargetConfig) -> dict:
@@ -308,7 +315,7 @@ def _to_hf(c: TargetConfig) -> dict:
             },
             layer_types=list(c.layer_types),
             sliding_window=c.sliding_window,
-            query_pre_attn_scalar=c.query_pre_attn_scalar,
+            query_pre_attn_scalar=_int_if_integral(c.query_pre_attn_scalar),  # transformers wants an int
             attn_logit_softcapping=c.attn_logit_softcapping,
             final_logit_softcapping=c.final_logit_softcapping,
         )

@@ -33,7 +33,8 @@ class DecoderLayer(nnx.Module):
         self.input_layernorm = norm()
         self.self_attn = Attention(
             h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            rope=cfg.layer_rope(layer), scale=cfg.attn_scale, bias=cfg.attention_bias,
+            rope=cfg.layer_rope(layer), scale=cfg.attn_scale,
+            bias=cfg.attention_bias, out_bias=cfg.attention_bias,  # HF: o_proj bias = attention_bias too
             qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, norm_offset=cfg.norm_offset,
             softcap=cfg.attn_logit_softcapping, window=cfg.window(layer),
             dtype=dtype, param_dtype=param_dtype, rngs=rngs,

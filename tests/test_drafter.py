@@ -1,0 +1,321 @@
+"""The drafter head: construction from a target, save/load, export/import round trips, flags,
+chain mode, reduced draft vocabularies, the KV cache and the COD row layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from peagle_jax.config import RopeConfig
+from peagle_jax.drafter import (
+    Drafter,
+    DrafterConfig,
+    cod_rows_forward,
+    draft_to_target,
+    init_drafter_cache,
+    load_drafter,
+    new_drafter,
+    peagle_mask,
+    select_draft_vocab,
+    state_from_arrays,
+)
+from peagle_jax.drafter_io import export_speculators, export_vllm
+
+def _hf_tiny():
+    try:  # tests/ as a package or as a plain folder on sys.path
+        from tests import hf_tiny
+    except ImportError:
+        import hf_tiny
+    return hf_tiny
+
+
+HAVE_TARGET = importlib.util.find_spec("peagle_jax.target") is not None
+needs_target = pytest.mark.skipif(not HAVE_TARGET, reason="peagle_jax.target (load_target) is not written yet")
+
+V, H, T = 64, 32, 8
+BASE = DrafterConfig(
+    hidden_size=H, target_hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
+    intermediate_size=48, vocab_size=V, draft_vocab_size=40, mask_token_id=V - 1, aux_layer_ids=(1, 2, 3),
+    k_train=4, max_position_embeddings=64,
+)
+DRAFT_IDS = np.sort(np.random.default_rng(0).choice(V, 40, replace=False))
+FLAGS = {
+    "norm_before_residual": dict(norm_before_residual=True),
+    "norm_before_fc": dict(norm_before_fc=True),
+    "fc_norm": dict(fc_norm=True),
+    "attention_bias": dict(attention_bias=True),
+    "llama3_rope": dict(rope=RopeConfig(theta=10000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
+                                        high_freq_factor=4.0, original_max_position_embeddings=16)),
+    "qk_norm": dict(qk_norm=True),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def perturbed(config: DrafterConfig, seed: int = 0) -> Drafter:
+    """A random head with every float parameter noised (norm weights != 1, biases != 0),
+    so each flag matters numerically."""
+    d = Drafter.random(config, seed, draft_ids=DRAFT_IDS if config.draft_vocab_size < V else None)
+    rng = np.random.default_rng(seed + 1)
+    arrays = {p: (a + 0.2 * rng.standard_normal(a.shape).astype(a.dtype)) if a.dtype.kind == "f" else a
+              for p, a in d.arrays().items()}
+    graphdef, state = state_from_arrays(config, arrays)
+    return Drafter(config, graphdef, state)
+
+
+def inputs(config: DrafterConfig, seed: int = 0, t: int = T):
+    rng = np.random.default_rng(seed)
+    tokens = jnp.asarray(rng.integers(0, V, (1, t)), jnp.int32)
+    aux = jnp.asarray(rng.standard_normal((1, t, 3 * config.target_hidden_size)), jnp.float32)
+    return tokens, aux, jnp.arange(t, dtype=jnp.int32)[None]
+
+
+def forward(d: Drafter, seed: int = 0):
+    tokens, aux, pos = inputs(d.config, seed)
+    return np.asarray(d.apply(tokens, d.fuse(aux), pos).logits)
+
+
+def same_arrays(a: Drafter, b: Drafter, cast=None):
+    x, y = a.arrays(), b.arrays()
+    assert set(x) == set(y)
+    for k in x:
+        want = x[k]
+        if cast is not None and want.dtype.kind == "f":
+            want = np.asarray(jnp.asarray(want).astype(cast).astype(want.dtype))
+        assert y[k].dtype == x[k].dtype, k
+        np.testing.assert_array_equal(y[k], want, err_msg=str(k))
+
+
+# ---------------------------------------------------------------------------------------
+def test_config_json_round_trip():
+    cfg = dataclasses.replace(BASE, **FLAGS["llama3_rope"], norm_before_fc=True)
+    data = json.loads(json.dumps(cfg.to_dict()))
+    assert DrafterConfig.from_dict(data) == cfg
+    assert hash(cfg) == hash(DrafterConfig.from_dict(data))
+    with pytest.raises(ValueError, match="mask_token_id"):
+        dataclasses.replace(BASE, mask_token_id=None)
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        dataclasses.replace(BASE, norm_before_fc=True, fc_norm=True)
+
+
+def test_save_load_bit_exact(tmp_path):
+    d = perturbed(dataclasses.replace(BASE, attention_bias=True, fc_norm=True))
+    d.save(tmp_path / "ckpt")
+    d.save(tmp_path / "ckpt")  # replacing an existing checkpoint works
+    back = load_drafter(tmp_path / "ckpt")
+    assert back.config == d.config
+    same_arrays(d, back)
+    assert not list(tmp_path.glob(".*"))  # no temporary folders left behind
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError):
+        d.save(tmp_path / "other")
+
+
+@pytest.mark.parametrize("flag", list(FLAGS))
+def test_flag_changes_output_and_round_trips(flag, tmp_path):
+    cfg = dataclasses.replace(BASE, **FLAGS[flag])
+    base, flagged = perturbed(BASE), perturbed(cfg)
+    if flag in ("norm_before_residual", "llama3_rope"):  # same parameters, different math
+        same_arrays(base, flagged)
+    assert np.abs(forward(base) - forward(flagged)).max() > 1e-3
+
+    flagged.save(tmp_path / "own")
+    back = load_drafter(tmp_path / "own")
+    assert back.config == cfg
+    same_arrays(flagged, back)
+
+    exports = [("speculators", export_speculators)]
+    if flag != "qk_norm":  # vLLM's Llama EAGLE-3 layout has no q/k norms (export refuses)
+        exports.append(("vllm", export_vllm))
+    for name, export in exports:
+        export(flagged, tmp_path / f"{name}-f32", dtype="float32")
+        back = load_drafter(tmp_path / f"{name}-f32")
+        assert back.config == cfg, name
+        same_arrays(flagged, back)
+        export(flagged, tmp_path / f"{name}-bf16")  # default bf16
+        back = load_drafter(tmp_path / f"{name}-bf16")
+        assert back.config == cfg, name
+        same_arrays(flagged, back, cast=jnp.bfloat16)
+    if flag == "qk_norm":
+        with pytest.raises(ValueError, match="q/k norms"):
+            export_vllm(flagged, tmp_path / "vllm")
+
+
+def test_reduced_draft_vocab(tmp_path):
+    d = perturbed(BASE)
+    np.testing.assert_array_equal(d.d2t, DRAFT_IDS - np.arange(40))
+    assert d.t2d.sum() == 40 and d.t2d[DRAFT_IDS].all()
+    ids = draft_to_target(d.model.d2t, jnp.arange(40))
+    np.testing.assert_array_equal(np.asarray(ids), DRAFT_IDS)
+    export_vllm(d, tmp_path / "v")
+    from safetensors.numpy import load_file
+
+    w = load_file(str(tmp_path / "v" / "model.safetensors"))
+    assert w["d2t"].dtype == np.int64 and w["t2d"].dtype == np.bool_ and w["t2d"].shape == (V,)
+    assert w["fc.weight"].dtype.name == "bfloat16" and w["lm_head.weight"].shape == (40, H)
+    assert w["mask_hidden"].shape == (1, 1, 3 * H)
+    assert "midlayer.hidden_norm.weight" in w and "layers.1.self_attn.q_proj.weight" in w
+    cfg = json.loads((tmp_path / "v" / "config.json").read_text())
+    assert cfg["mask_token_id"] == cfg["pard_token"] == cfg["ptd_token_id"] == V - 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 40
+    # top-Vd by count, ties to the lower id, sorted by id
+    counts = np.zeros(V, np.int64)
+    counts[[5, 9, 2, 7]] = [10, 10, 3, 50]
+    np.testing.assert_array_equal(select_draft_vocab(counts, 3), [5, 7, 9])
+
+
+def test_cache_equals_no_cache():
+    d = perturbed(BASE)
+    tokens, aux, pos = inputs(BASE, t=12)
+    g = d.fuse(aux)
+    full = d.apply(tokens, g, pos)
+    cache = init_drafter_cache(BASE, 1, 16)
+    logits, hidden = [], []
+    for lo, hi in [(0, 6), (6, 12)]:
+        out = d.apply(tokens[:, lo:hi], g[:, lo:hi], pos[:, lo:hi], cache)
+        cache = out.cache
+        logits.append(out.logits)
+        hidden.append(out.prenorm)
+    assert float(jnp.abs(jnp.concatenate(logits, 1) - full.logits).max()) < 1e-5
+    assert float(jnp.abs(jnp.concatenate(hidden, 1) - full.prenorm).max()) < 1e-5
+    # ragged batch: row 1 is shorter (padding slots at position -1 write nothing)
+    tokens2 = jnp.concatenate([tokens, tokens], 0)
+    g2 = jnp.concatenate([g, g], 0)
+    pos2 = jnp.stack([pos[0], jnp.where(pos[0] < 7, pos[0], -1)])
+    out2 = d.apply(tokens2, g2, pos2, init_drafter_cache(BASE, 2, 16))
+    assert float(jnp.abs(out2.logits[0] - full.logits[0]).max()) < 1e-5
+    assert float(jnp.abs(out2.logits[1, :7] - full.logits[0, :7]).max()) < 1e-5  # causal: a prefix
+    assert float(jnp.abs(out2.cache[0][0][1, 7:]).max()) == 0.0
+
+
+def test_chain_mode_feeds_prenorm_back():
+    cfg = dataclasses.replace(BASE, mode="chain", mask_token_id=None)
+    d = perturbed(cfg)
+    m = d.model
+    assert not hasattr(m, "mask_hidden")
+    with pytest.raises(ValueError):
+        m.mask_g()
+    tokens, aux, pos = inputs(cfg)
+    g = d.fuse(aux)
+    out = d.apply(tokens, g, pos, init_drafter_cache(cfg, 1, 16))
+    seq_tok, seq_g = [tokens], [g]
+    hidden, cache = out.prenorm[:, -1:], out.cache
+    draft = draft_to_target(m.d2t, jnp.argmax(out.logits[:, -1:], -1))
+    for step in range(3):  # EAGLE-3: one pass per draft token, own hidden state fed back
+        seq_tok.append(draft)
+        seq_g.append(m.feedback(hidden))
+        out = d.apply(draft, m.feedback(hidden), jnp.full((1, 1), T + step, jnp.int32), cache)
+        hidden, cache = out.prenorm, out.cache
+        draft = draft_to_target(m.d2t, jnp.argmax(out.logits, -1))
+    full = d.apply(jnp.concatenate(seq_tok, 1), jnp.concatenate(seq_g, 1), jnp.arange(T + 3)[None])
+    assert float(jnp.abs(full.logits[:, -1] - out.logits[:, 0]).max()) < 1e-5
+    # norm_output (EAGLE 3.1) feeds back the post-norm state
+    m2 = nnx.merge(d.graphdef, d.state)
+    m2.config = dataclasses.replace(cfg, norm_output=True)
+    h = jnp.ones((1, 1, H))
+    assert float(jnp.abs(m2.feedback(h) - m2.norm(h)).max()) == 0.0 and m.feedback(h) is h
+
+
+_cod_jit = jax.jit(lambda gd, st, *a: cod_rows_forward(nnx.merge(gd, st), *a), static_argnums=(0,))
+
+
+def test_cod_rows_match_the_inference_layout():
+    """A COD row (anchor a, depth k) sees exactly what the single-pass draft step's k-th mask
+    slot sees after real slots 0..a: same logits."""
+    d = perturbed(BASE)
+    m = d.model
+    tokens, aux, pos = inputs(BASE)
+    anchor = jnp.asarray([list(range(T)) + [3, 3, 5]], jnp.int32)
+    depth = jnp.asarray([[0] * T + [1, 2, 1]], jnp.int32)
+    ref = jnp.minimum(anchor + depth, T - 1)
+    rows_logits = _cod_jit(d.graphdef, d.state, tokens[:, ref[0]], aux[:, ref[0]], anchor, depth,
+                           jnp.zeros_like(anchor))
+    assert float(jnp.abs(rows_logits[:, :T] - d.apply(tokens, d.fuse(aux), pos).logits).max()) < 1e-5
+    # the single-pass layouts, one per COD row, batched and right-padded (position -1)
+    cases = [(3, 1), (3, 2), (5, 1)]
+    width = max(a + 1 + k for a, k in cases)
+    g_real, g_mask = d.fuse(aux)[0], m.mask_g()
+    slot_tok, slot_g, slot_pos = [], [], []
+    for a, k in cases:
+        n = a + 1 + k
+        slot_tok.append(jnp.pad(jnp.concatenate([tokens[0, : a + 1], jnp.full((k,), BASE.mask_token_id)]),
+                                (0, width - n)))
+        slot_g.append(jnp.pad(jnp.concatenate([g_real[: a + 1], jnp.broadcast_to(g_mask, (k, H))]),
+                              ((0, width - n), (0, 0))))
+        slot_pos.append(jnp.where(jnp.arange(width) < n, jnp.arange(width), -1))
+    slots = d.apply(jnp.stack(slot_tok).astype(jnp.int32), jnp.stack(slot_g), jnp.stack(slot_pos)).logits
+    for i, (a, k) in enumerate(cases):
+        diff = float(jnp.abs(slots[i, a + k] - rows_logits[0, T + i]).max())
+        assert diff < 1e-5, (a, k, diff)
+    # documents and padding
+    mask = np.asarray(peagle_mask(jnp.asarray([0, 1, 0, 1]), jnp.asarray([0, 0, 0, 1]), jnp.asarray([0, 0, 1, -1])))
+    np.testing.assert_array_equal(mask, [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]])
+
+
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    if not HAVE_TARGET:
+        pytest.skip("peagle_jax.target (load_target) is not written yet")
+    from peagle_jax.target import load_target
+
+    hf_tiny = _hf_tiny()
+    folder = tmp_path_factory.mktemp("llama")
+    hf_tiny.build("llama-mha-untied", folder)
+    return load_target(folder, dtype="float32", aux_layer_ids=(0, 1, 3))
+
+
+@needs_target
+def test_new_drafter_from_target(tiny_target, tmp_path):
+    target = tiny_target
+    tc = target.config
+    counts = np.random.default_rng(3).integers(0, 100, tc.vocab_size)
+    d = new_drafter(target, num_layers=2, draft_vocab=24, token_counts=counts, seed=1, fc_norm=True)
+    c = d.config
+    assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) == (
+        tc.hidden_size, tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.intermediate_size)
+    assert c.rope == tc.rope and c.max_position_embeddings == tc.max_position_embeddings
+    assert c.aux_layer_ids == target.aux_layer_ids and c.k_train == 8 and c.fc_norm
+    assert c.mask_token_id == tc.vocab_size - 1  # no pad token: the last id
+    tm = nnx.merge(target.graphdef, target.state)
+    m = d.model
+    used = select_draft_vocab(counts, 24)
+    np.testing.assert_array_equal(np.asarray(m.embed_tokens.embedding[...]), np.asarray(tm.embed_tokens.embedding[...]))
+    np.testing.assert_array_equal(np.asarray(m.lm_head.kernel[...]), np.asarray(tm.lm_head.kernel[...])[:, used])
+    np.testing.assert_array_equal(d.t2d.nonzero()[0], used)
+    out = target.forward(jnp.asarray([[1, 2, 3, 4, 5]]))
+    logits = d.apply(jnp.asarray([[2, 3, 4, 5, 6]]), d.fuse(out.aux_hidden), jnp.arange(5)[None]).logits
+    assert logits.shape == (1, 5, 24) and logits.dtype == jnp.float32
+    d.save(tmp_path / "d")
+    same_arrays(d, load_drafter(tmp_path / "d"))
+    full = new_drafter(target, mode="chain")
+    assert full.config.draft_vocab_size == tc.vocab_size and full.config.mask_token_id is None
+    assert not full.d2t.any()
+    with pytest.raises(TypeError, match="unknown flags"):
+        new_drafter(target, norm_befor_fc=True)
+
+
+@needs_target
+def test_new_drafter_gemma_target(tmp_path):
+    from peagle_jax.target import load_target
+
+    hf_tiny = _hf_tiny()
+    hf_tiny.build("gemma3", tmp_path / "g")
+    target = load_target(tmp_path / "g", dtype="float32", aux_layer_ids=(0, 1, 3))
+    d = new_drafter(target)
+    tm = nnx.merge(target.graphdef, target.state)
+    emb = np.asarray(tm.embed_tokens.embedding[...])
+    np.testing.assert_allclose(np.asarray(d.model.embed_tokens.embedding[...]), emb * target.config.embed_scale,
+                               rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(d.model.lm_head.kernel[...]), emb.T)  # tied
+    assert d.config.hidden_act == "silu" and d.config.mask_token_id == (
+        target.config.pad_token_id if target.config.pad_token_id is not None else target.config.vocab_size - 1)

@@ -1,0 +1,114 @@
+"""The P-EAGLE training loss and per-depth metrics (reference/peagle.md section 5).
+
+Teacher: the target's distribution at a row's reference position, restricted to the draft
+vocabulary (softmax over the target logits of the draft ids, in draft-id order); draft:
+the drafter's logits [.., Vd]. Loss = forward KL(teacher || draft) per row, summed over
+supervised rows (loss mask at ref, optionally also "the target's argmax is in the draft
+vocabulary") and divided ONCE by the supervised row count (pass `normalizer` = the count
+of the whole batch when a sequence is split into segments). `per_depth=True` instead
+averages within each depth, then over the depths that have rows (an early port's variant).
+
+This matches speculators 0.9.0 (`kl_div_loss` + `loss_function`: sum(kl * mask) /
+(sum(mask) + 1e-5)) up to that 1e-5 in the denominator, which is left out here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "LossOutput",
+    "restrict_to_draft",
+    "teacher_logits",
+    "argmax_in_draft",
+    "forward_kl",
+    "draft_loss",
+    "acceptance_length",
+]
+
+
+class LossOutput(NamedTuple):
+    loss: jax.Array  # scalar float32
+    loss_sum: jax.Array  # sum of per-row KL over the supervised rows
+    rows: jax.Array  # number of supervised rows (float32)
+    correct: jax.Array  # [K] top-1 hits per depth (supervised rows)
+    total: jax.Array  # [K] supervised rows per depth
+
+
+def restrict_to_draft(target_logits: jax.Array, d2t: jax.Array) -> jax.Array:
+    """[..., V] target logits -> [..., Vd]: column i is target id i + d2t[i]."""
+    ids = jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
+    return jnp.take(target_logits, ids, axis=-1)
+
+
+def teacher_logits(y: jax.Array, lm_head: jax.Array, d2t: jax.Array, *, softcap: float | None = None):
+    """Restricted teacher logits [..., Vd] (float32) from the target's final-norm output
+    y [..., H] and its lm_head weight [V, H] (PyTorch layout; the tied embedding for tied
+    targets): only the draft-vocabulary rows are multiplied."""
+    ids = jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
+    w = jnp.take(lm_head, ids, axis=0)
+    logits = jnp.einsum("...h,vh->...v", y.astype(jnp.float32), w.astype(jnp.float32),
+                        precision=jax.lax.Precision.HIGHEST)
+    return softcap * jnp.tanh(logits / softcap) if softcap else logits
+
+
+def argmax_in_draft(target_logits: jax.Array, t2d: jax.Array) -> jax.Array:
+    """[...] bool: the full-vocabulary argmax of the target is a draft-vocabulary token."""
+    return t2d[jnp.argmax(target_logits, axis=-1)]
+
+
+def forward_kl(draft_logits: jax.Array, teacher: jax.Array) -> jax.Array:
+    """Per-row KL(softmax(teacher) || softmax(draft)) [...], float32."""
+    logq = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
+    logp = jax.nn.log_softmax(teacher.astype(jnp.float32), axis=-1)
+    p = jnp.exp(logp)
+    return jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1)
+
+
+def draft_loss(
+    draft_logits: jax.Array,
+    teacher: jax.Array,
+    row_mask: jax.Array,
+    depth: jax.Array | None = None,
+    *,
+    num_depths: int = 1,
+    per_depth: bool = False,
+    normalizer: jax.Array | float | None = None,
+) -> LossOutput:
+    """Loss and per-depth top-1 metrics over rows.
+
+    draft_logits, teacher [..., Vd] (teacher already restricted to the draft vocabulary);
+    row_mask [...] (loss mask at ref, times any extra row filter such as
+    `argmax_in_draft`); depth [...] int in [0, num_depths) (None = all depth 0).
+    `normalizer`: the global supervised-row count when rows are split over segments
+    (default: this call's count). Accuracy: argmax(draft) == argmax(teacher), both in
+    draft ids, counted over supervised rows.
+    """
+    mask = row_mask.astype(jnp.float32)
+    kl = forward_kl(draft_logits, teacher)
+    if depth is None:
+        depth = jnp.zeros(mask.shape, jnp.int32)
+    onehot = jax.nn.one_hot(depth, num_depths, dtype=jnp.float32) * mask[..., None]  # [..., K]
+    axes = tuple(range(mask.ndim))
+    total = jnp.sum(onehot, axis=axes)
+    hit = (jnp.argmax(draft_logits, axis=-1) == jnp.argmax(teacher, axis=-1)).astype(jnp.float32)
+    correct = jnp.sum(onehot * hit[..., None], axis=axes)
+    rows = jnp.sum(mask)
+    loss_sum = jnp.sum(kl * mask)
+    if per_depth:
+        per = jnp.sum(onehot * kl[..., None], axis=axes) / jnp.maximum(total, 1.0)
+        present = (total > 0).astype(jnp.float32)
+        loss = jnp.sum(per * present) / jnp.maximum(jnp.sum(present), 1.0)
+    else:
+        denom = rows if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+        loss = loss_sum / jnp.maximum(denom, 1.0)
+    return LossOutput(loss, loss_sum, rows, correct, total)
+
+
+def acceptance_length(per_depth_acc) -> jax.Array:
+    """Simulated tau = 1 + sum_k prod_{i<=k} acc_i from per-depth (conditional) accuracies."""
+    acc = jnp.asarray(per_depth_acc, jnp.float32)
+    return 1.0 + jnp.sum(jnp.cumprod(acc))

@@ -19,6 +19,7 @@ import numpy as np
 
 from infer.prompts import encode_conversation
 from peagle_jax import speculative as sp
+from peagle_jax.sharding import shard_state
 
 Prompt = Sequence[int] | str | Sequence[dict]
 
@@ -79,6 +80,9 @@ class SpeculativeDecoder:
                 raise ValueError(f"k must be >= 1, got {k}")
             self._check_drafter(drafter.config, tcfg, deep_k)
             self.aux_layer_ids = tuple(drafter.config.aux_layer_ids)
+            mesh = getattr(target, "mesh", None)
+            if mesh is not None:  # the drafter runs beside the target: same devices, same rules
+                drafter.state = shard_state(drafter.state, mesh)
         self.eos_ids = tuple(tcfg.eos_token_id)
 
     def _check_drafter(self, dcfg, tcfg, deep_k: str) -> None:

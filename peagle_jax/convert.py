@@ -45,6 +45,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
+from peagle_jax.drafter import NUM_AUX, OWN_CONFIG_FILE
+from peagle_jax.drafter_io import CONFIG_FILE, MASK_ID_KEYS
+from peagle_jax.weights import INDEX_FILE, SINGLE_FILE
+
 __all__ = [
     "main",
     "parse_size",
@@ -58,13 +62,7 @@ __all__ = [
     "SINGLE_FILE",
 ]
 
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-OWN_CONFIG_FILE = "drafter.json"
 DEFAULT_MAX_SHARD = "5GB"
-MASK_ID_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
-NUM_AUX = 3
 _LAYER0 = "layers.0."
 _MID = "midlayer."
 
@@ -281,10 +279,7 @@ def export_drafter(
         tensors = drafter_io.hf_tensors(drafter, dtype, _MID)
     else:
         config = drafter_io.speculators_config(drafter, dtype, verifier)
-        tensors = drafter_io.hf_tensors(drafter, dtype, _LAYER0)
-        if cfg.draft_vocab_size == cfg.vocab_size:  # speculators keeps no d2t/t2d buffers then
-            tensors.pop("d2t", None)
-            tensors.pop("t2d", None)
+        tensors = drafter_io.speculators_tensors(drafter, dtype)
     report: dict = {}
 
     def check(tmp: Path) -> None:

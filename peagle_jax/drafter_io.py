@@ -92,6 +92,7 @@ TARGET_ARCHS = {
 }
 ARCH_OF_FAMILY = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                   "gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+DEFAULT_K_TRAIN = 8  # COD depth of the reference recipe, recorded when a head names none
 EXTRA_KEY = "peagle_jax"  # our own fields in a vLLM config.json (mode, k_train, ...)
 
 
@@ -586,7 +587,7 @@ def speculators_config(drafter: Drafter, dtype="bfloat16", verifier: str | None 
         "eagle_aux_hidden_state_layer_ids": None if c.aux_layer_ids is None else list(c.aux_layer_ids),
         "speculators_config": {
             "algorithm": kind,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.k_train or 1,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.k_train or DEFAULT_K_TRAIN,
                                   "accept_tolerance": 0.0, "verifier_accept_k": 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": name, "architectures": [arch] if arch else []},
@@ -630,9 +631,18 @@ def export_vllm(drafter: Drafter, out: str | os.PathLike, dtype="bfloat16", *, o
     return _write(out, vllm_config(drafter, dtype), hf_tensors(drafter, dtype, "midlayer."), overwrite)
 
 
+def speculators_tensors(drafter: Drafter, dtype="bfloat16") -> dict[str, np.ndarray]:
+    """`hf_tensors` in the speculators layout: `layers.0.*`, and no d2t/t2d for a full
+    draft vocabulary (speculators registers those buffers only when Vd < V)."""
+    tensors = hf_tensors(drafter, dtype, "layers.0.")
+    if drafter.config.draft_vocab_size == drafter.config.vocab_size:
+        tensors.pop("d2t", None)
+        tensors.pop("t2d", None)
+    return tensors
+
+
 def export_speculators(drafter: Drafter, out: str | os.PathLike, dtype="bfloat16", *, overwrite: bool = False,
                        verifier: str | None = None) -> Path:
     """speculators folder (`layers.0.*`, speculators_model_type peagle / eagle3). `verifier`
     overrides the recorded target name_or_path."""
-    return _write(out, speculators_config(drafter, dtype, verifier), hf_tensors(drafter, dtype, "layers.0."),
-                  overwrite)
+    return _write(out, speculators_config(drafter, dtype, verifier), speculators_tensors(drafter, dtype), overwrite)

@@ -160,7 +160,7 @@ def draft_chain(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
     out = drafter(tokens, drafter.fuse(aux), positions, cache)
     take = lambda x: jnp.take_along_axis(x, bonus_slot[:, None, None], axis=1)  # noqa: E731
     draft = _draft_ids(drafter, take(out.logits))[:, 0]
-    hidden = take(out.prenorm)
+    hidden = drafter.feedback(take(out.prenorm))
     pos = jnp.take_along_axis(positions, bonus_slot[:, None], axis=1)
 
     def step(carry, _):
@@ -168,7 +168,7 @@ def draft_chain(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
         pos = jnp.where(pos >= 0, pos + 1, -1)
         o = drafter(draft[:, None], hidden, pos, cache)
         nxt = _draft_ids(drafter, o.logits)[:, 0]
-        return (nxt, o.prenorm, pos, o.cache), nxt
+        return (nxt, drafter.feedback(o.prenorm), pos, o.cache), nxt
 
     (_, _, _, cache), rest = jax.lax.scan(step, (draft, hidden, pos, out.cache), None, length=k - 1)
     return jnp.concatenate([draft[:, None], rest.T], axis=1), cache

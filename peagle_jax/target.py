@@ -29,6 +29,7 @@ from flax import nnx
 
 from peagle_jax.config import TargetConfig
 from peagle_jax.models.decoder import DecoderOutput, init_cache
+from peagle_jax.sharding import shard_state
 from peagle_jax.weights import WeightsError, export_target, load_params, resolve_dtype
 
 __all__ = [
@@ -190,6 +191,7 @@ class Target:
         self.dtype = leaves[0].dtype if leaves else jnp.dtype(jnp.float32)
         self._tokenizer = None
         self._tokenizer_loaded = False
+        self.mesh = None  # set by load_target(mesh=...)
 
     def __repr__(self) -> str:
         c = self.config
@@ -281,8 +283,13 @@ class Target:
         return export_target(self.config, self.state, path, overwrite=overwrite, extra_files=extra)
 
 
-def load_target(path: str | os.PathLike, dtype="bfloat16", aux_layer_ids: Sequence[int] | None = None) -> Target:
+def load_target(path: str | os.PathLike, dtype="bfloat16", aux_layer_ids: Sequence[int] | None = None,
+                mesh=None) -> Target:
     """Loads a Hugging Face folder (config.json + safetensors) as a `Target`.
+
+    mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` (see `peagle_jax.sharding.make_mesh`):
+    the weights are placed on it by the sharding rule table (tensor parallel over `tensor`);
+    the jitted entry points and the speculative engine then run sharded, unchanged.
 
     dtype: "bfloat16" or "float32" (params, activations and KV cache; norms and softmax run
     in f32, logits are f32). aux_layer_ids: 3 distinct layer ids, default (2, L//2, L-3).
@@ -295,7 +302,11 @@ def load_target(path: str | os.PathLike, dtype="bfloat16", aux_layer_ids: Sequen
     # fail before reading any weight
     validate_aux_layer_ids(cfg.default_aux_layer_ids() if aux_layer_ids is None else aux_layer_ids, cfg.num_layers)
     graphdef, state = load_params(folder, cfg, resolve_dtype(dtype))
-    return Target(cfg, graphdef, state, aux_layer_ids=aux_layer_ids, path=folder)
+    if mesh is not None:
+        state = shard_state(state, mesh)
+    target = Target(cfg, graphdef, state, aux_layer_ids=aux_layer_ids, path=folder)
+    target.mesh = mesh
+    return target
 
 
 # ---------------------------------------------------------------------------------------

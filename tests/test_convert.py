@@ -29,10 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _hf_tiny():
-    try:  # tests/ as a package (tests/__init__.py) or as a plain folder on sys.path
-        from tests import hf_tiny
-    except ImportError:
-        import hf_tiny
+    import hf_tiny
     return hf_tiny
 
 

@@ -30,10 +30,7 @@ from peagle_jax.drafter import (
 from peagle_jax.drafter_io import export_speculators, export_vllm
 
 def _hf_tiny():
-    try:  # tests/ as a package or as a plain folder on sys.path
-        from tests import hf_tiny
-    except ImportError:
-        import hf_tiny
+    import hf_tiny
     return hf_tiny
 
 

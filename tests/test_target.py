@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests import hf_tiny
+import hf_tiny
 import peagle_jax as pj
 from peagle_jax.config import TargetConfig
 from peagle_jax.target import generate_greedy

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from tests import hf_tiny
+import hf_tiny
 import peagle_jax as pj
 from peagle_jax.config import ConfigError, TargetConfig
 from peagle_jax.weights import KEY_MAPS, WeightsError, abstract_model, key_map, load_params

@@ -1,0 +1,95 @@
+"""`python -m infer bench`: baseline (mode none) vs speculative decoding on the same prompts.
+
+Both decoders share one target and one compiled shape (prompts padded to the longest, one
+cache length), run interleaved prompt by prompt so machine noise hits both alike, and
+compile time is excluded by a warm-up pass.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from tqdm import tqdm
+
+from infer.api import encode_prompt
+from infer.prompts import load_prompts
+
+
+def _batches(items, size):
+    return [items[i: i + size] for i in range(0, len(items), size)]
+
+
+def run_bench(args, target, drafter, make) -> dict:
+    conversations = load_prompts(args.prompts, limit=args.limit)
+    if not conversations:
+        raise ValueError(f"--prompts {args.prompts}: no prompts")
+    ids = [encode_prompt(target.tokenizer, c) for c in conversations]
+    longest = max(len(i) for i in ids)
+    base, spec = make("none"), make(args.mode)
+    pad = -(-longest // 64) * 64
+    cache_len = -(-(pad + args.max_new_tokens + 2 * args.k + 2) // 64) * 64
+    for dec in (base, spec):
+        dec.prompt_pad, dec.cache_len = pad, cache_len
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+              seed=args.seed)
+    batches = _batches(ids, args.batch_size)
+    for dec in (base, spec):  # warm-up: compile outside the timings
+        dec.generate(batches[0], **kw)
+    rows = []
+    for batch in tqdm(batches, desc=f"bench {args.mode} k={args.k}", file=sys.stderr):
+        b = base.generate(batch, **kw)
+        s = spec.generate(batch, **kw)
+        rows.append({"base": b.stats, "spec": s.stats,
+                     "same_tokens": b.tokens == s.tokens if args.temperature == 0 else None})
+    result = summarize(args, rows)
+    _print(result)
+    if args.json_out:
+        _write_json(args.json_out, {**result, "per_batch": rows})
+    return result
+
+
+def summarize(args, rows) -> dict:
+    def total(key, side):
+        return sum(r[side][key] for r in rows)
+
+    base_tps = total("new_tokens", "base") / total("seconds", "base")
+    spec_tps = total("new_tokens", "spec") / total("seconds", "spec")
+    rounds = total("rounds", "spec")
+    acc = sum(r["spec"]["acceptance_length"] * r["spec"]["rounds"] for r in rows) / max(rounds, 1)
+    per_pos = [sum(r["spec"]["per_position_acceptance"][i] * r["spec"]["rounds"] for r in rows) / max(rounds, 1)
+               for i in range(args.k if args.mode != "none" else 0)]
+    return {
+        "prompts": args.prompts, "mode": args.mode, "k": args.k, "batches": len(rows),
+        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+        "baseline_tokens_per_second": base_tps, "speculative_tokens_per_second": spec_tps,
+        "speedup": spec_tps / base_tps, "acceptance_length": acc,
+        "per_position_acceptance": per_pos,
+        "ms_per_round": 1000 * total("seconds", "spec") / max(rounds / args.batch_size, 1),
+        "identical_greedy_outputs": all(r["same_tokens"] for r in rows) if args.temperature == 0 else None,
+        "median_batch_speedup": statistics.median(
+            (r["spec"]["tokens_per_second"] / r["base"]["tokens_per_second"]) for r in rows),
+    }
+
+
+def _print(r: dict) -> None:
+    print(f"{'prompts':<28}{r['prompts']}")
+    print(f"{'mode / k':<28}{r['mode']} / {r['k']}")
+    print(f"{'baseline tokens/s':<28}{r['baseline_tokens_per_second']:.2f}")
+    print(f"{'speculative tokens/s':<28}{r['speculative_tokens_per_second']:.2f}")
+    print(f"{'speedup':<28}{r['speedup']:.2f}x")
+    print(f"{'acceptance length':<28}{r['acceptance_length']:.3f}")
+    print(f"{'per-position acceptance':<28}" + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
+    print(f"{'ms per round':<28}{r['ms_per_round']:.1f}")
+
+
+def _write_json(path: str, data: dict) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)

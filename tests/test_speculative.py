@@ -1,0 +1,266 @@
+"""The speculative engine: lossless greedy and sampling, one drafter pass, the slot layout."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import peagle_jax as pj
+from infer import SpeculativeDecoder
+from peagle_jax import drafter as drafter_mod
+from peagle_jax import speculative as sp
+import hf_tiny
+
+AUX = (0, 1, 2)
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """kind -> (HF torch model, Target) for one tiny model per family."""
+    out = {}
+    for kind in ("llama-gqa2-tied-llama3", "qwen3", "gemma3"):
+        folder = tmp_path_factory.mktemp(kind)
+        hf = hf_tiny.build(kind, folder)
+        out[kind] = (hf, pj.load_target(folder, dtype="float32", aux_layer_ids=AUX))
+    return out
+
+
+def _prompts(batch: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, hf_tiny.VOCAB, size=int(n)).tolist() for n in rng.integers(3, 12, size=batch)]
+
+
+def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama-gqa2-tied-llama3", "qwen3", "gemma3"])
+def test_lossless_greedy_matches_plain_and_transformers(models, kind):
+    hf, target = models[kind]
+    prompts = _prompts(4, seed=1)
+    plain = SpeculativeDecoder(target, mode="none").generate(prompts, max_new_tokens=NEW)
+    assert plain.tokens == [_hf_greedy(hf, p, NEW) for p in prompts]
+    for mode in ("parallel", "chain"):
+        drafter = pj.new_drafter(target, num_layers=1, mode=mode, seed=3)
+        for k in (1, 3, 7):
+            res = SpeculativeDecoder(target, drafter, k=k, mode=mode).generate(prompts, max_new_tokens=NEW)
+            assert res.tokens == plain.tokens, (mode, k)
+            assert 1.0 <= res.stats["acceptance_length"] <= k + 1
+
+
+def _agreeing_drafter(target, plain_tokens, mode):
+    """A random drafter whose draft vocabulary is two tokens the target emits."""
+    used = np.unique(np.concatenate([np.asarray(t) for t in plain_tokens]))[:2]
+    return pj.new_drafter(target, num_layers=1, mode=mode, seed=1, draft_vocab=used)
+
+
+def _unit_rows(x):
+    return x / np.linalg.norm(x, axis=-1, keepdims=True)
+
+
+def _successor_target(folder, sharpness: float):
+    """(HF model, Target) of a tiny Llama whose likeliest next token is x + 1 (mod V): every
+    layer's output projections are zero, so the residual stream stays the embedding e_x, and
+    lm_head row y is sharpness * unit(e_{y-1}). sharpness 10: greedy is certain; 0.6: about
+    half the mass on x + 1 (for sampling tests)."""
+    hf = hf_tiny.build("llama-mha-untied", seed=5)
+    with torch.no_grad():
+        emb = hf.model.embed_tokens.weight
+        for layer in hf.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        hf.model.norm.weight.fill_(1.0)
+        hf.lm_head.weight.copy_(torch.from_numpy(sharpness * _unit_rows(np.roll(emb.numpy(), 1, axis=0))))
+    hf.save_pretrained(str(folder))
+    return hf, pj.load_target(folder, dtype="float32", aux_layer_ids=AUX)
+
+
+@pytest.fixture(scope="module")
+def successor(tmp_path_factory):
+    return _successor_target(tmp_path_factory.mktemp("successor"), 10.0)
+
+
+def _skip_ahead_drafter(target, mode, num_layers=1):
+    """A drafter built from the target's own weights that predicts x + 2 from the aux state
+    of x: fc copies the first aux chunk (= e_x), its layers add nothing, lm_head row y is
+    e_{y-2}. Its first draft is right; mask slots / later chain steps mostly are not."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    d = pj.new_drafter(target, num_layers=num_layers, mode=mode, seed=2)
+    emb = np.asarray(nnx.merge(target.graphdef, target.state).embed_tokens.embedding[...])
+    state = nnx.to_pure_dict(d.state)
+    h = emb.shape[1]
+    state["fc"]["kernel"] = jnp.asarray(np.concatenate([np.eye(h), np.zeros((2 * h, h))]), jnp.float32)
+    for layer in state["layers"].values():
+        layer["self_attn"]["o_proj"]["kernel"] = jnp.zeros_like(layer["self_attn"]["o_proj"]["kernel"])
+        layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
+    state["norm"]["weight"] = jnp.ones_like(state["norm"]["weight"])
+    state["lm_head"]["kernel"] = jnp.asarray(10 * _unit_rows(np.roll(emb, 2, axis=0)).T)
+    nnx.replace_by_pure_dict(d.state, state)
+    return d
+
+
+@pytest.mark.parametrize("mode", ["parallel", "chain"])
+def test_lossless_greedy_with_an_agreeing_drafter_batch1_and_4(successor, mode):
+    hf, target = successor
+    prompts = _prompts(4, seed=2)
+    plain = SpeculativeDecoder(target, mode="none").generate(prompts, max_new_tokens=NEW)
+    assert plain.tokens[0] == [(prompts[0][-1] + 1 + i) % hf_tiny.VOCAB for i in range(NEW)]
+    assert plain.tokens[0] == _hf_greedy(hf, prompts[0], NEW)
+    drafter = _skip_ahead_drafter(target, mode)
+    for k in (1, 3, 7):
+        dec = SpeculativeDecoder(target, drafter, k=k, mode=mode)
+        res = dec.generate(prompts, max_new_tokens=NEW)
+        assert res.tokens == plain.tokens, k
+        assert res.stats["per_position_acceptance"][0] > 0.9, res.stats  # the accept path really ran
+        single = dec.generate(prompts[:1], max_new_tokens=NEW)
+        assert single.tokens == plain.tokens[:1]
+
+
+def test_eos_stops_each_row_and_matches_plain(models):
+    _, target = models["qwen3"]
+    prompts = _prompts(4, seed=4)
+    plain = SpeculativeDecoder(target, mode="none").generate(prompts, max_new_tokens=NEW)
+    eos = plain.tokens[0][5]  # a token the first row emits mid-way
+    target_eos = _with_eos(target, eos)
+    drafter = _agreeing_drafter(target, plain.tokens, "parallel")
+    want = [row[: row.index(eos) + 1] if eos in row else row for row in plain.tokens]
+    for mode, d in (("none", None), ("parallel", drafter)):
+        res = SpeculativeDecoder(target_eos, d, k=3, mode=mode).generate(prompts, max_new_tokens=NEW)
+        assert res.tokens == want, mode
+
+
+def _with_eos(target, eos):
+    import copy
+    import dataclasses
+
+    t = copy.copy(target)
+    t.config = dataclasses.replace(target.config, eos_token_id=(int(eos),))
+    return t
+
+
+def test_parallel_round_runs_one_drafter_forward(models, monkeypatch):
+    _, target = models["llama-gqa2-tied-llama3"]
+    calls = {"n": 0}
+    original = drafter_mod.DrafterModel.__call__
+
+    def counting(self, *a, **kw):
+        calls["n"] += 1
+        return original(self, *a, **kw)
+
+    monkeypatch.setattr(drafter_mod.DrafterModel, "__call__", counting)
+    counts = {}
+    for mode in ("parallel", "chain"):
+        dec = SpeculativeDecoder(target, pj.new_drafter(target, mode=mode), k=7, mode=mode)
+        cfg, _, state = dec.prefill(_prompts(1), max_new_tokens=8)
+        tdef, tstate, ddef, dstate = dec._modules()
+        calls["n"] = 0
+        import jax
+
+        jax.make_jaxpr(lambda s: sp.decode_round(cfg, sp.nnx.merge(tdef, tstate), sp.nnx.merge(ddef, dstate), s))(state)
+        counts[mode] = calls["n"]
+    assert counts["parallel"] == 1  # P-EAGLE: one pass drafts all K
+    assert counts["chain"] == 2  # EAGLE-3: the accepted slots, then a scanned single-token step
+
+
+def test_propose_equals_the_dense_slot_formula(models):
+    """propose = target prefill -> bonus b -> ONE pass over [prompt[1:], b, mask x (K-1)] at
+    positions 0..P+K-2 with plain causal attention, computed here without any cache."""
+    import jax.numpy as jnp
+
+    _, target = models["gemma3"]
+    k = 5
+    drafter = pj.new_drafter(target, num_layers=2, mode="parallel", seed=7, draft_vocab=np.arange(0, 96, 2))
+    prompt = _prompts(1, seed=5)[0]
+    got = SpeculativeDecoder(target, drafter, k=k).propose(prompt)
+
+    out = target.forward(np.asarray([prompt]))
+    bonus = int(np.argmax(np.asarray(out.logits)[0, -1]))
+    model = drafter.model
+    p = len(prompt)
+    tokens = jnp.asarray([prompt[1:] + [bonus] + [drafter.config.mask_token_id] * (k - 1)])
+    g = jnp.concatenate([model.fuse(out.aux_hidden), jnp.broadcast_to(model.mask_g(), (1, k - 1, model.config.hidden_size))], axis=1)
+    positions = jnp.arange(p + k - 1)[None, :]
+    logits = np.asarray(model(tokens, g, positions).logits)[0, p - 1:]
+    ids = logits.argmax(-1)
+    want = [bonus, *(ids + np.asarray(drafter.d2t)[ids]).tolist()]
+    assert got == want
+
+
+def _sample_counts(dec, prompt, n_rows, seeds, new):
+    """Joint counts of the first `new` sampled tokens over n_rows x len(seeds) draws."""
+    counts = {}
+    for seed in seeds:
+        res = dec.generate([prompt] * n_rows, max_new_tokens=new, temperature=1.0, top_p=0.9, seed=seed)
+        for row in res.tokens:
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    return counts
+
+
+def _chi2_pvalue(a: dict, b: dict) -> float:
+    from scipy.stats import chi2_contingency
+
+    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
+    big = [k for k in keys if a.get(k, 0) + b.get(k, 0) >= 10]  # pool the sparse tail
+    table = [[a.get(k, 0) for k in big], [b.get(k, 0) for k in big]]
+    table[0].append(sum(v for k, v in a.items() if k not in big))
+    table[1].append(sum(v for k, v in b.items() if k not in big))
+    return chi2_contingency(np.asarray(table)).pvalue
+
+
+def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypatch):
+    """Joint law of the first two sampled tokens (temperature 1, top-p 0.9): speculative
+    sampling with a drafter that is often right equals plain sampling, and resampling from p
+    instead of norm(max(0, p - q)) after a rejection is caught by the same test."""
+    import jax
+
+    _, target = _successor_target(tmp_path, 0.6)
+    prompt = [7, 3, 9]
+    plain = SpeculativeDecoder(target, mode="none")
+    spec = SpeculativeDecoder(target, _skip_ahead_drafter(target, "parallel"), k=2, mode="parallel")
+    new, rows, seeds = 2, 256, range(4)
+    base = _sample_counts(plain, prompt, rows, seeds, new)
+    good = _sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
+    assert _chi2_pvalue(base, good) > 1e-3
+    right = sp.accept_rejection
+
+    def wrong(probs, drafts, draft_probs, key):  # resamples from p instead of the residual
+        n, _ = right(probs, drafts, draft_probs, key)
+        pick = jax.numpy.take_along_axis(probs, n[:, None, None], axis=1)[:, 0]
+        return n, jax.random.categorical(key, jax.numpy.log(pick), axis=-1).astype(jax.numpy.int32)
+
+    monkeypatch.setattr(sp, "accept_rejection", wrong)
+    jax.clear_caches()
+    bad = _sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
+    assert _chi2_pvalue(base, bad) < 1e-6
+
+
+def test_bad_input_is_refused_clearly(models):
+    _, target = models["llama-gqa2-tied-llama3"]
+    drafter = pj.new_drafter(target, mode="parallel", k_train=4)
+    with pytest.raises(ValueError, match="trained depth"):
+        SpeculativeDecoder(target, drafter, k=7)
+    with pytest.warns(UserWarning, match="trained depth"):
+        SpeculativeDecoder(target, drafter, k=7, deep_k="warn")
+    dec = SpeculativeDecoder(target, drafter, k=3, cache_len=32)
+    with pytest.raises(ValueError, match="does not fit the KV cache"):
+        dec.generate([[1] * 20], max_new_tokens=8)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        dec.generate([[1, 2], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        SpeculativeDecoder(target, drafter, k=3).generate([[1] * 100], max_new_tokens=64)
+    _, other = models["gemma3"]
+    foreign = pj.new_drafter(other, mode="parallel")
+    import dataclasses
+
+    foreign.config = dataclasses.replace(foreign.config, target_hidden_size=32)
+    with pytest.raises(ValueError, match="hidden size"):
+        SpeculativeDecoder(target, foreign, k=3)
+    foreign.config = dataclasses.replace(foreign.config, target_hidden_size=64, vocab_size=128)
+    with pytest.raises(ValueError, match="vocabulary"):
+        SpeculativeDecoder(target, foreign, k=3)

@@ -143,10 +143,10 @@ class TargetConfig:
         return self.rope
 
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
-        """vLLM's default (2, L//2, L-3); below 7 layers those collide, so (0, L//2, L-1)."""
+        """vLLM's default (2, L//2, L-3); where those collide (4-6 layers), (0, L//2, L-1)."""
         n = self.num_layers
         ids = (2, n // 2, n - 3)
-        return ids if len(set(ids)) == 3 and ids[0] < ids[1] < ids[2] else (0, n // 2, n - 1)
+        return ids if len(set(ids)) == 3 and min(ids) >= 0 else (0, n // 2, n - 1)
 
     @classmethod
     def from_hf(cls, source: str | Path | dict) -> TargetConfig:

@@ -268,7 +268,7 @@ def tiny_target(tmp_path_factory):
     hf_tiny = _hf_tiny()
     folder = tmp_path_factory.mktemp("llama")
     hf_tiny.build("llama-mha-untied", folder)
-    return load_target(folder, dtype="float32", aux_layer_ids=(0, 1, 3))
+    return load_target(folder, dtype="float32", aux_layer_ids=(0, 1, 2))
 
 
 @needs_target
@@ -307,7 +307,7 @@ def test_new_drafter_gemma_target(tmp_path):
 
     hf_tiny = _hf_tiny()
     hf_tiny.build("gemma3", tmp_path / "g")
-    target = load_target(tmp_path / "g", dtype="float32", aux_layer_ids=(0, 1, 3))
+    target = load_target(tmp_path / "g", dtype="float32", aux_layer_ids=(0, 1, 2))
     d = new_drafter(target)
     tm = nnx.merge(target.graphdef, target.state)
     emb = np.asarray(tm.embed_tokens.embedding[...])

@@ -20,6 +20,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import peagle_jax as pj
@@ -65,9 +66,10 @@ def _round_ms(dec: SpeculativeDecoder, reps: int) -> float:
 
 
 def measure(target, drafters, ks, reps: int) -> dict:
+    """drafters: {(mode, draft vocab size): Drafter}."""
     plain = _round_ms(SpeculativeDecoder(target, None, mode="none"), reps)
     rows = []
-    for mode, drafter in drafters.items():
+    for (mode, vd), drafter in drafters.items():
         for k in ks:
             dec = SpeculativeDecoder(target, drafter, k=k, mode=mode, deep_k="warn")
             cfg, _, state = dec.prefill([PROMPT], max_new_tokens=64)
@@ -84,7 +86,7 @@ def measure(target, drafters, ks, reps: int) -> dict:
             verify_ms = _median_ms(lambda: _verify_only(cfg, tdef, tstate, tokens, positions,
                                                         state.target_cache), reps)
             round_ms = _round_ms(dec, reps)
-            rows.append({"mode": mode, "k": k, "drafter_ms": drafter_ms, "verify_ms": verify_ms,
+            rows.append({"mode": mode, "draft_vocab": vd, "k": k, "drafter_ms": drafter_ms, "verify_ms": verify_ms,
                          "round_ms": round_ms, "break_even_acceptance_length": round_ms / plain,
                          "speedup_at_acceptance_3": 3 * plain / round_ms})
     return {"plain_decode_step_ms": plain, "rounds": rows}
@@ -100,17 +102,21 @@ def main() -> None:
     ap.add_argument("--ks", default="1,3,5,7")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--layers", type=int, default=1, help="drafter layers")
+    ap.add_argument("--draft-vocabs", default="262144,32768",
+                    help="draft vocabulary sizes (the first N ids: timing only depends on the size)")
     args = ap.parse_args()
     target = pj.load_target(prepare("gemma3-270m"), dtype="float32")
-    drafters = {mode: pj.new_drafter(target, num_layers=args.layers, mode=mode, seed=0)
-                for mode in ("parallel", "chain")}
+    v = target.config.vocab_size
+    drafters = {(mode, vd): pj.new_drafter(target, num_layers=args.layers, mode=mode, seed=0,
+                                            draft_vocab=None if vd >= v else np.arange(vd))
+                for vd in (int(x) for x in args.draft_vocabs.split(",")) for mode in ("parallel", "chain")}
     result = measure(target, drafters, [int(k) for k in args.ks.split(",")], args.reps)
     result.update(device=str(jax.devices()[0]), drafter_layers=args.layers, batch=1)
     print(f"plain decode step: {result['plain_decode_step_ms']:.1f} ms")
-    print(f"{'mode':<10}{'K':>3}{'drafter ms':>12}{'verify ms':>11}{'round ms':>10}{'break-even AL':>15}"
+    print(f"{'mode':<10}{'Vd':>8}{'K':>3}{'drafter ms':>12}{'verify ms':>11}{'round ms':>10}{'break-even AL':>15}"
           f"{'speedup@AL3':>13}")
     for r in result["rounds"]:
-        print(f"{r['mode']:<10}{r['k']:>3}{r['drafter_ms']:>12.2f}{r['verify_ms']:>11.2f}{r['round_ms']:>10.2f}"
+        print(f"{r['mode']:<10}{r['draft_vocab']:>8}{r['k']:>3}{r['drafter_ms']:>12.2f}{r['verify_ms']:>11.2f}{r['round_ms']:>10.2f}"
               f"{r['break_even_acceptance_length']:>15.2f}{r['speedup_at_acceptance_3']:>13.2f}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -279,6 +279,11 @@ class DrafterModel(nnx.Module):
         the same)."""
         return self.norm(prenorm) if self.config.norm_output else prenorm
 
+    def head(self, prenorm: jax.Array) -> jax.Array:
+        """Draft-vocabulary logits (float32) of pre-norm states: lm_head(norm(prenorm)).
+        Callers that need a few rows gather them first (the [T, Vd] product dominates)."""
+        return self.lm_head(self.norm(prenorm)).astype(jnp.float32)
+
     @property
     def t2d(self) -> jax.Array:
         return t2d_from_d2t(self.d2t[...], self.config.vocab_size)
@@ -305,7 +310,7 @@ class DrafterModel(nnx.Module):
             x, kv = layer(x, positions, None if cache is None else cache[i], mask,
                           embeds=embeds if i == 0 else None)
             new_cache.append(kv)
-        logits = self.lm_head(self.norm(x)).astype(jnp.float32)
+        logits = self.head(x)
         return DrafterOutput(logits, x, None if cache is None else tuple(new_cache))
 
 

@@ -151,16 +151,17 @@ def draft_parallel(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
     out = drafter(slot_tokens, g, slot_pos, cache)
     r = tokens.shape[1]
     pick = jnp.concatenate([bonus_slot[:, None], r + jnp.arange(k - 1)[None, :].repeat(b, 0)], axis=1)
-    logits = jnp.take_along_axis(out.logits, pick[..., None], axis=1)
+    # logits of the K draft slots only (out.logits is then dead code: XLA drops the [R, Vd] product)
+    logits = drafter.head(jnp.take_along_axis(out.prenorm, pick[..., None], axis=1))
     return _draft_ids(drafter, logits), out.cache
 
 
 def draft_chain(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
     """EAGLE-3: a pass over the real slots, then K-1 passes feeding the pre-norm state back."""
     out = drafter(tokens, drafter.fuse(aux), positions, cache)
-    take = lambda x: jnp.take_along_axis(x, bonus_slot[:, None, None], axis=1)  # noqa: E731
-    draft = _draft_ids(drafter, take(out.logits))[:, 0]
-    hidden = drafter.feedback(take(out.prenorm))
+    prenorm = jnp.take_along_axis(out.prenorm, bonus_slot[:, None, None], axis=1)
+    draft = _draft_ids(drafter, drafter.head(prenorm))[:, 0]
+    hidden = drafter.feedback(prenorm)
     pos = jnp.take_along_axis(positions, bonus_slot[:, None], axis=1)
 
     def step(carry, _):

@@ -16,9 +16,10 @@ from safetensors.numpy import save_file
 from peagle_jax.config import ConfigError
 from peagle_jax.drafter import load_drafter
 from peagle_jax.drafter_io import DrafterIOError, detect_format, export_speculators, export_vllm
+from paths import VECTORS
 
 V, H, HEADS, KV, HD, I, N = 48, 32, 4, 2, 8, 40, 2
-GOLDEN = Path("/work/shared/vectors/peagle-tiny/drafter-speculators")
+GOLDEN = VECTORS / "drafter-speculators"
 
 
 def hand_tensors(layer0="midlayer", bias=False, vd=V, seed=0, parallel=True):

@@ -1,4 +1,4 @@
-"""The drafter against golden vectors from vllm-project/speculators 0.9.0 (/work/shared/vectors).
+"""The drafter against golden vectors from vllm-project/speculators 0.9.0 (shared/vectors beside the checkout).
 
 peagle-tiny: a 2-layer P-EAGLE head in the speculators layout (Vd 128 of V 256, mask id 255)
 for a tiny random 8-layer Llama target. Rows are fed exactly as the vectors' README says:
@@ -18,8 +18,9 @@ from flax import nnx
 
 from peagle_jax.drafter import cod_rows_forward, draft_to_target, init_drafter_cache, load_drafter, peagle_mask
 from train.loss import argmax_in_draft, draft_loss, teacher_logits
+from paths import VECTORS
 
-VECTORS = Path("/work/shared/vectors/peagle-tiny")
+
 pytestmark = pytest.mark.skipif(not VECTORS.is_dir(), reason=f"golden vectors not found at {VECTORS}")
 TOL = 1e-5
 _cod_jit = jax.jit(lambda gd, st, *a: cod_rows_forward(nnx.merge(gd, st), *a), static_argnums=(0,))

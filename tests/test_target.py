@@ -20,10 +20,11 @@ import hf_tiny
 import peagle_jax as pj
 from peagle_jax.config import TargetConfig
 from peagle_jax.target import generate_greedy
+from paths import VECTORS
 
 torch = pytest.importorskip("torch")
 
-GOLDEN = Path("/work/shared/vectors/peagle-tiny")
+GOLDEN = VECTORS
 L = hf_tiny.LAYERS
 AUX = (0, 1, 2)  # every layer of the 3-layer tiny models
 

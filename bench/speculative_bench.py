@@ -12,88 +12,34 @@ length is round / plain_step.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
-import statistics
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import peagle_jax as pj
 from infer.api import SpeculativeDecoder
-from peagle_jax import speculative as sp
+from infer.bench import round_breakdown, round_ms
 from peagle_jax.assets import prepare
 
 PROMPT = ("Explain, step by step, how a speculative decoding system uses a small draft model "
           "to propose several tokens that a large target model then verifies in one pass.")
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _draft_only(cfg, ddef, dstate, tokens, aux, positions, bonus_slot, cache):
-    return sp._draft(cfg, nnx.merge(ddef, dstate), tokens, aux, positions, bonus_slot, cache)[0]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _verify_only(cfg, tdef, tstate, tokens, positions, cache):
-    out = nnx.merge(tdef, tstate)(tokens, positions, cache, aux_layer_ids=cfg.aux_layer_ids)
-    return out.logits, out.aux_hidden
-
-
-def _median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())  # compile / warm
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
-def _round_ms(dec: SpeculativeDecoder, reps: int) -> float:
-    cfg, _, state = dec.prefill([PROMPT], max_new_tokens=4 * reps * (dec.k + 1) + 8)
-    tdef, tstate, ddef, dstate = dec._modules()
-    state = sp.jit_round(cfg, tdef, tstate, ddef, dstate, state)  # compile
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        state = jax.block_until_ready(sp.jit_round(cfg, tdef, tstate, ddef, dstate, state))
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
 def measure(target, drafters, ks, reps: int) -> dict:
     """drafters: {(mode, draft vocab size): Drafter}."""
-    plain = _round_ms(SpeculativeDecoder(target, None, mode="none"), reps)
+    plain = round_ms(SpeculativeDecoder(target, None, mode="none"), PROMPT, reps)
     rows = []
     for (mode, vd), drafter in drafters.items():
         for k in ks:
             dec = SpeculativeDecoder(target, drafter, k=k, mode=mode, deep_k="warn")
-            cfg, _, state = dec.prefill([PROMPT], max_new_tokens=64)
-            tdef, tstate, ddef, dstate = dec._modules()
-            b = state.last.shape[0]
-            slots = jnp.arange(k + 1)[None, :]
-            positions = state.length[:, None] + slots
-            tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
-            aux = jnp.zeros((b, k + 1, 3 * target.config.hidden_size), _dtype(target))
-            n = jnp.full((b,), k // 2, jnp.int32)  # half the drafts accepted
-            draft_pos = jnp.where(slots <= n[:, None], positions, -1)
-            drafter_ms = _median_ms(lambda: _draft_only(cfg, ddef, dstate, tokens, aux, draft_pos, n,
-                                                        state.drafter_cache), reps)
-            verify_ms = _median_ms(lambda: _verify_only(cfg, tdef, tstate, tokens, positions,
-                                                        state.target_cache), reps)
-            round_ms = _round_ms(dec, reps)
-            rows.append({"mode": mode, "draft_vocab": vd, "k": k, "drafter_ms": drafter_ms, "verify_ms": verify_ms,
-                         "round_ms": round_ms, "break_even_acceptance_length": round_ms / plain,
-                         "speedup_at_acceptance_3": 3 * plain / round_ms})
+            parts = round_breakdown(dec, PROMPT, reps)
+            whole = round_ms(dec, PROMPT, reps)
+            rows.append({"mode": mode, "draft_vocab": vd, "k": k, "drafter_ms": parts["drafter_ms_per_round"],
+                         "verify_ms": parts["target_ms_per_round"], "round_ms": whole,
+                         "break_even_acceptance_length": whole / plain, "speedup_at_acceptance_3": 3 * plain / whole})
     return {"plain_decode_step_ms": plain, "rounds": rows}
-
-
-def _dtype(handle):
-    return next(x.dtype for x in jax.tree.leaves(handle.state) if jnp.issubdtype(x.dtype, jnp.floating))
 
 
 def main() -> None:

@@ -13,10 +13,71 @@ import statistics
 import sys
 import tempfile
 
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
 from tqdm import tqdm
 
-from infer.api import encode_prompt
+from infer.api import SpeculativeDecoder, encode_prompt
 from infer.prompts import load_prompts
+from peagle_jax import speculative as sp
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _draft_only(cfg, ddef, dstate, tokens, aux, positions, bonus_slot, cache):
+    return sp._draft(cfg, nnx.merge(ddef, dstate), tokens, aux, positions, bonus_slot, cache)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _verify_only(cfg, tdef, tstate, tokens, positions, cache):
+    out = nnx.merge(tdef, tstate)(tokens, positions, cache, aux_layer_ids=cfg.aux_layer_ids)
+    return out.logits, out.aux_hidden
+
+
+def _median_ms(fn, reps: int) -> float:
+    jax.block_until_ready(fn())  # compile / warm
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def round_ms(dec: SpeculativeDecoder, prompt, reps: int = 5) -> float:
+    """Median wall time of one whole round (verify + accept + draft) after `prompt`."""
+    cfg, _, state = dec.prefill([prompt], max_new_tokens=(reps + 2) * (dec.k + 1) + 8)
+    mods = dec._modules()
+    state = sp.jit_round(cfg, *mods, state)  # compile
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        state = jax.block_until_ready(sp.jit_round(cfg, *mods, state))
+        times.append(time.perf_counter() - t)
+    return 1000 * statistics.median(times)
+
+
+def round_breakdown(dec: SpeculativeDecoder, prompt, reps: int = 5) -> dict:
+    """Milliseconds per round of the drafter alone (half the drafts accepted) and of the
+    target's verification of K+1 tokens alone, timed on the state after `prompt`."""
+    cfg, _, state = dec.prefill([prompt], max_new_tokens=8)
+    tdef, tstate, ddef, dstate = dec._modules()
+    k, b = dec.k, state.last.shape[0]
+    slots = jnp.arange(k + 1)[None, :]
+    positions = state.length[:, None] + slots
+    tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
+    result = {"target_ms_per_round": _median_ms(
+        lambda: _verify_only(cfg, tdef, tstate, tokens, positions, state.target_cache), reps)}
+    if dec.mode != "none":
+        aux = jnp.zeros((b, k + 1, 3 * dec.target.config.hidden_size), state.target_cache[0][0].dtype)
+        n = jnp.full((b,), k // 2, jnp.int32)
+        draft_pos = jnp.where(slots <= n[:, None], positions, -1)
+        result["drafter_ms_per_round"] = _median_ms(
+            lambda: _draft_only(cfg, ddef, dstate, tokens, aux, draft_pos, n, state.drafter_cache), reps)
+    return result
 
 
 def _batches(items, size):
@@ -46,6 +107,7 @@ def run_bench(args, target, drafter, make) -> dict:
         rows.append({"base": b.stats, "spec": s.stats,
                      "same_tokens": b.tokens == s.tokens if args.temperature == 0 else None})
     result = summarize(args, rows)
+    result.update(round_breakdown(spec, batches[0][0]))
     _print(result)
     if args.json_out:
         _write_json(args.json_out, {**result, "per_batch": rows})
@@ -84,6 +146,7 @@ def _print(r: dict) -> None:
     print(f"{'acceptance length':<28}{r['acceptance_length']:.3f}")
     print(f"{'per-position acceptance':<28}" + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
     print(f"{'ms per round':<28}{r['ms_per_round']:.1f}")
+    print(f"{'drafter / target ms':<28}{r.get('drafter_ms_per_round', 0):.1f} / {r['target_ms_per_round']:.1f}")
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -38,16 +38,21 @@ import dataclasses
 import json
 import math
 import os
-import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Sequence
 
 from peagle_jax.drafter import NUM_AUX, OWN_CONFIG_FILE
-from peagle_jax.drafter_io import CONFIG_FILE, MASK_ID_KEYS
-from peagle_jax.weights import INDEX_FILE, SINGLE_FILE
+from peagle_jax.drafter_io import MASK_ID_KEYS
+from peagle_jax.folders import (
+    CONFIG_FILE,
+    DEFAULT_MAX_SHARD,
+    INDEX_FILE,
+    SINGLE_FILE,
+    check_destination,
+    parse_size,
+    write_hf_folder,
+)
 
 __all__ = [
     "main",
@@ -62,7 +67,6 @@ __all__ = [
     "SINGLE_FILE",
 ]
 
-DEFAULT_MAX_SHARD = "5GB"
 _LAYER0 = "layers.0."
 _MID = "midlayer."
 
@@ -73,116 +77,6 @@ class ConvertError(Exception):
 
 # ---------------------------------------------------------------------------------------
 # sizes and sharded safetensors folders
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str | int) -> int:
-    """"5GB" -> 5 * 10**9, "2GiB" -> 2 * 2**30, "500KB", "123" (bytes). Like Hugging Face."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = _SIZE_RE.match(str(text))
-        if not m:
-            raise ValueError(f"invalid size {text!r} (examples: 5GB, 500MB, 2GiB, 4096)")
-        number, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
-        if binary and not unit:
-            raise ValueError(f"invalid size {text!r} (examples: 5GB, 500MB, 2GiB, 4096)")
-        power = " KMGT".index(unit) if unit else 0
-        value = int(number * (1024 if binary else 1000) ** power)
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {text!r}")
-    return value
-
-
-def _nbytes(arr) -> int:
-    return int(arr.size) * int(arr.dtype.itemsize)
-
-
-def _shards(tensors: dict, max_bytes: int) -> list[list[str]]:
-    """Keys split into consecutive groups of at most `max_bytes` (a bigger tensor alone)."""
-    groups: list[list[str]] = []
-    current: list[str] = []
-    size = 0
-    for key, arr in tensors.items():
-        n = _nbytes(arr)
-        if current and size + n > max_bytes:
-            groups.append(current)
-            current, size = [], 0
-        current.append(key)
-        size += n
-    if current or not groups:
-        groups.append(current)
-    return groups
-
-
-def _check_dest(dest: Path, overwrite: bool, marker: str) -> None:
-    if not dest.exists():
-        return
-    if not dest.is_dir():
-        raise ConvertError(f"{dest}: exists and is not a folder")
-    if not any(dest.iterdir()):
-        return
-    if not overwrite:
-        raise ConvertError(f"{dest}: already exists (pass --overwrite to replace it)")
-    if not (dest / marker).exists():
-        raise ConvertError(f"{dest}: exists and holds no {marker}; refusing to replace it")
-
-
-def _replace(tmp: Path, dest: Path) -> None:
-    if dest.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-        os.rmdir(old)
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
-
-
-def write_hf_folder(
-    out: str | os.PathLike,
-    config: dict,
-    tensors: dict,
-    *,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD,
-    overwrite: bool = False,
-    extra_files: Sequence[str | os.PathLike] = (),
-    check=None,
-) -> Path:
-    """config.json + model.safetensors (or shards + index) into a temporary sibling of `out`,
-    renamed into place at the end. `check(tmp_folder)` runs before the rename; when it raises,
-    nothing is left behind."""
-    from safetensors.numpy import save_file
-
-    limit = parse_size(max_shard_size)
-    dest = Path(out).absolute()
-    _check_dest(dest, overwrite, CONFIG_FILE)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        groups = _shards(tensors, limit)
-        if len(groups) == 1:
-            save_file({k: tensors[k] for k in groups[0]}, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        else:
-            n = len(groups)
-            weight_map = {}
-            for i, keys in enumerate(groups, 1):
-                name = f"model-{i:05d}-of-{n:05d}.safetensors"
-                save_file({k: tensors[k] for k in keys}, str(tmp / name), metadata={"format": "pt"})
-                weight_map.update({k: name for k in keys})
-            index = {"metadata": {"total_size": sum(_nbytes(a) for a in tensors.values())},
-                     "weight_map": weight_map}
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        for f in extra_files:
-            shutil.copy2(f, tmp / Path(f).name)
-        if check is not None:
-            check(tmp)
-        _replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
 
 
 def _folder_files(folder: Path) -> list[Path]:
@@ -253,7 +147,7 @@ def export_drafter(
         raise ConvertError(f"unknown format {fmt!r} (vllm, speculators)")
     parse_size(max_shard_size)
     dest = Path(out).absolute()
-    _check_dest(dest, overwrite, CONFIG_FILE)
+    check_destination(dest, overwrite, CONFIG_FILE)
     drafter = _load_any_drafter(ckpt)
     cfg = drafter.config
     notes = []
@@ -311,7 +205,7 @@ def import_drafter_folder(
     if not p.is_dir():
         raise ConvertError(f"{p}: not a folder")
     dest = Path(out).absolute()
-    _check_dest(dest, overwrite, OWN_CONFIG_FILE)
+    check_destination(dest, overwrite, OWN_CONFIG_FILE)
     tgt = None
     if target is not None:  # only its embeddings are used: load the weights, skip the aux-id setup
         from types import SimpleNamespace
@@ -860,7 +754,7 @@ def convert_target(
         raise ConvertError(f"{p}: not a folder")
     parse_size(max_shard_size)
     dest = Path(out).absolute()
-    _check_dest(dest, overwrite, CONFIG_FILE)
+    check_destination(dest, overwrite, CONFIG_FILE)
     d = _source_dtype(p) if dtype == "auto" else dtype
     tcfg = TargetConfig.from_hf(p)
     _, state = load_params(p, tcfg, d)

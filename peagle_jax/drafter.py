@@ -29,8 +29,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
 
@@ -40,6 +38,7 @@ import numpy as np
 from flax import nnx
 
 from peagle_jax.config import ConfigError, RopeConfig
+from peagle_jax.folders import atomic_folder, check_destination
 from peagle_jax.models.layers import ACTIVATIONS, MLP, Attention, RMSNorm
 
 __all__ = [
@@ -531,22 +530,14 @@ class Drafter:
         import orbax.checkpoint as ocp
 
         dest = Path(path).absolute()
-        if dest.exists():
-            if not dest.is_dir() or (any(dest.iterdir()) and not (dest / OWN_CONFIG_FILE).exists()):
-                raise FileExistsError(f"{dest}: exists and is not a drafter checkpoint; refusing to replace it")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-        try:
+        check_destination(dest, overwrite=True, marker=OWN_CONFIG_FILE)  # replaces only a drafter checkpoint
+        with atomic_folder(dest) as tmp:
             meta = {"format": OWN_FORMAT, "version": OWN_VERSION, "dtype": str(self.dtype),
                     "config": self.config.to_dict()}
             (tmp / OWN_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
             with ocp.StandardCheckpointer() as ckptr:
                 ckptr.save(tmp / OWN_STATE_DIR, nnx.to_pure_dict(self.state))
                 ckptr.wait_until_finished()
-            _replace_dir(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         self.path = dest
         return dest
 
@@ -575,17 +566,6 @@ def _random_state(config: DrafterConfig, dtype: str, seed: int, given: dict | No
         else:  # biases, d2t
             arrays[path] = np.zeros(var.shape, np.float32 if name == "bias" else np.int32)
     return state_from_arrays(config, arrays, dtype)
-
-
-def _replace_dir(tmp: Path, dest: Path) -> None:
-    if dest.exists():
-        old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(dest, old)
-        os.replace(tmp, dest)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, dest)
 
 
 def _load_own(path: Path, dtype=None) -> Drafter:

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import jax
@@ -43,6 +41,7 @@ import ml_dtypes
 import numpy as np
 
 from peagle_jax.config import ConfigError, RopeConfig
+from peagle_jax.folders import CONFIG_FILE, SINGLE_FILE, write_hf_folder
 from peagle_jax.drafter import (
     NUM_AUX,
     Drafter,
@@ -67,8 +66,6 @@ __all__ = [
     "VLLM_ARCHITECTURES",
 ]
 
-CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
 # vLLM registry names of EAGLE-3 style heads -> whether the layers are Qwen3 (q/k norms)
 VLLM_ARCHITECTURES = {
     "LlamaForCausalLMEagle3": False,
@@ -600,28 +597,7 @@ def speculators_config(drafter: Drafter, dtype="bfloat16", verifier: str | None 
 
 
 def _write(out: str | os.PathLike, config: dict, tensors: dict, overwrite: bool) -> Path:
-    from safetensors.numpy import save_file
-
-    dest = Path(out).absolute()
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{dest}: already exists (pass overwrite=True to replace it)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        if dest.exists():
-            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    return write_hf_folder(out, config, tensors, overwrite=overwrite)
 
 
 def export_vllm(drafter: Drafter, out: str | os.PathLike, dtype="bfloat16", *, overwrite: bool = False) -> Path:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -34,9 +32,8 @@ import numpy as np
 from flax import nnx
 
 from peagle_jax.config import TargetConfig
+from peagle_jax.folders import INDEX_FILE, SINGLE_FILE, write_hf_folder
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
 # Hugging Face buffers that may appear in old checkpoints and are not parameters.
 IGNORED_KEYS = (re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$"), re.compile(r"\.embed_scale$"))
 DTYPES = {
@@ -305,29 +302,7 @@ def export_target(
     (e.g. tokenizer files) are copied in too. An existing `path` is replaced only with
     `overwrite=True`.
     """
-    from safetensors.numpy import save_file
-
-    dest = Path(path).absolute()
-    if dest.exists() and not overwrite:
-        raise FileExistsError(f"{dest}: already exists (pass overwrite=True to replace it)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
     tensors = hf_tensors(cfg, state)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        config = cfg.to_hf()
-        config["dtype"] = _dtype_name(tensors)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
-        for f in extra_files:
-            shutil.copy2(f, tmp / Path(f).name)
-        if dest.exists():
-            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            os.replace(dest, old)
-            os.replace(tmp, dest)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
+    config = cfg.to_hf()
+    config["dtype"] = _dtype_name(tensors)
+    return write_hf_folder(path, config, tensors, overwrite=overwrite, extra_files=list(extra_files))

@@ -1,0 +1,139 @@
+"""Writing model folders without ever leaving a half-written one.
+
+Everything is written into a temporary sibling of the destination and renamed into place at
+the end; on any error (or interruption) the temporary folder is removed and the destination
+is untouched. `write_hf_folder` is the one writer of Hugging Face style folders (config.json
++ model.safetensors, or shards + model.safetensors.index.json) for targets and drafters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD = "5GB"
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def check_destination(dest: Path, overwrite: bool, marker: str) -> None:
+    """An existing non-empty `dest` is replaced only with `overwrite`, and only when it holds
+    `marker` (so a wrong path never wipes an unrelated folder)."""
+    if not dest.exists():
+        return
+    if not dest.is_dir():
+        raise FileExistsError(f"{dest}: exists and is not a folder")
+    if not any(dest.iterdir()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{dest}: already exists (pass overwrite=True or --overwrite to replace it)")
+    if not (dest / marker).exists():
+        raise FileExistsError(f"{dest}: exists and holds no {marker}; refusing to replace it")
+
+
+@contextlib.contextmanager
+def atomic_folder(out: str | os.PathLike) -> Iterator[Path]:
+    """Yields a fresh temporary folder beside `out`; when the block succeeds it replaces
+    `out` (an existing one is moved aside first, then deleted)."""
+    dest = Path(out).absolute()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        yield tmp
+        if dest.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            os.rmdir(old)
+            os.replace(dest, old)
+            os.replace(tmp, dest)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def parse_size(text: str | int) -> int:
+    """"5GB" -> 5 * 10**9, "2GiB" -> 2 * 2**30, "500KB", "123" (bytes). Like Hugging Face."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = _SIZE_RE.match(str(text))
+        if not m:
+            raise ValueError(f"invalid size {text!r} (examples: 5GB, 500MB, 2GiB, 4096)")
+        number, unit, binary = float(m.group(1)), m.group(2).upper(), bool(m.group(3))
+        if binary and not unit:
+            raise ValueError(f"invalid size {text!r} (examples: 5GB, 500MB, 2GiB, 4096)")
+        power = " KMGT".index(unit) if unit else 0
+        value = int(number * (1024 if binary else 1000) ** power)
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {text!r}")
+    return value
+
+
+def nbytes(arr) -> int:
+    return int(arr.size) * int(arr.dtype.itemsize)
+
+
+def shard_groups(tensors: dict, max_bytes: int) -> list[list[str]]:
+    """Keys split into consecutive groups of at most `max_bytes` (a bigger tensor alone)."""
+    groups: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for key, arr in tensors.items():
+        n = nbytes(arr)
+        if current and size + n > max_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(key)
+        size += n
+    if current or not groups:
+        groups.append(current)
+    return groups
+
+
+def write_hf_folder(
+    out: str | os.PathLike,
+    config: dict,
+    tensors: dict,
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD,
+    overwrite: bool = False,
+    extra_files: Sequence[str | os.PathLike] = (),
+    check: Callable[[Path], None] | None = None,
+) -> Path:
+    """config.json + model.safetensors (or shards + index) of numpy `tensors`, written
+    atomically. `check(tmp_folder)` runs before the rename; when it raises, nothing is left."""
+    from safetensors.numpy import save_file
+
+    limit = parse_size(max_shard_size)
+    dest = Path(out).absolute()
+    check_destination(dest, overwrite, CONFIG_FILE)
+    with atomic_folder(dest) as tmp:
+        groups = shard_groups(tensors, limit)
+        if len(groups) == 1:
+            save_file({k: tensors[k] for k in groups[0]}, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        else:
+            n = len(groups)
+            weight_map = {}
+            for i, keys in enumerate(groups, 1):
+                name = f"model-{i:05d}-of-{n:05d}.safetensors"
+                save_file({k: tensors[k] for k in keys}, str(tmp / name), metadata={"format": "pt"})
+                weight_map.update({k: name for k in keys})
+            index = {"metadata": {"total_size": sum(nbytes(a) for a in tensors.values())},
+                     "weight_map": weight_map}
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        for f in extra_files:
+            shutil.copy2(f, tmp / Path(f).name)
+        if check is not None:
+            check(tmp)
+    return dest

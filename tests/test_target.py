@@ -28,17 +28,6 @@ GOLDEN = VECTORS
 L = hf_tiny.LAYERS
 AUX = (0, 1, 2)  # every layer of the 3-layer tiny models
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            folder = tmp_path_factory.mktemp(kind)
-            made[kind] = (folder, hf_tiny.build(kind, folder))
-        return made[kind]
-
-    return get
 
 
 def _close(got, want, tol, what):

@@ -22,17 +22,6 @@ torch = pytest.importorskip("torch")
 AUX = (0, 1, 2)
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory):
-    made = {}
-
-    def get(kind):
-        if kind not in made:
-            folder = tmp_path_factory.mktemp(kind)
-            made[kind] = (folder, hf_tiny.build(kind, folder))
-        return made[kind]
-
-    return get
 
 
 def _copy(src: Path, dst: Path) -> Path:

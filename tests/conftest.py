@@ -1,0 +1,18 @@
+"""Shared fixtures."""
+
+import hf_tiny
+import pytest
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """kind -> (folder, torch model) of a tiny random HF model, built once per test module."""
+    made = {}
+
+    def get(kind):
+        if kind not in made:
+            folder = tmp_path_factory.mktemp(kind)
+            made[kind] = (folder, hf_tiny.build(kind, folder))
+        return made[kind]
+
+    return get

@@ -65,3 +65,22 @@ def test_greedy_32_tokens_match_transformers(models):
             seq = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
         want.append(seq[0, len(p):].tolist())
     assert generate_greedy(target, prompts, 32, eos=()) == want  # both prompts in one ragged batch
+
+
+def test_speculative_64_tokens_equal_plain_greedy_with_random_drafters(models):
+    """Lossless on the real model: random P-EAGLE and EAGLE-3 heads (acceptance near 1, so
+    almost every round rejects) give exactly the plain greedy tokens, which equal transformers'."""
+    import peagle_jax as pj
+    from infer import SpeculativeDecoder
+
+    target, hf, torch = models
+    plain = SpeculativeDecoder(target, mode="none").generate(PROMPTS, max_new_tokens=64)
+    ids = target.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert plain.tokens[0] == ref[: len(plain.tokens[0])] and len(plain.tokens[0]) >= 32
+    for mode in ("parallel", "chain"):
+        drafter = pj.new_drafter(target, num_layers=1, mode=mode, seed=0, draft_vocab=np.arange(32768))
+        res = SpeculativeDecoder(target, drafter, k=7, mode=mode).generate(PROMPTS, max_new_tokens=64)
+        assert res.tokens == plain.tokens, mode
+        assert res.stats["rounds"] > 0

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kernels
 from peagle_jax.config import ConfigError, RopeConfig
 from peagle_jax.folders import atomic_folder, check_destination
 from peagle_jax.models.layers import ACTIVATIONS, MLP, Attention, RMSNorm
@@ -393,7 +394,7 @@ def cod_rows_forward(
     anchor: jax.Array,
     depth: jax.Array,
     doc: jax.Array,
-    mask: jax.Array | None = None,
+    mask: jax.Array | str | None = None,
 ) -> jax.Array:
     """Logits [B, N, Vd] over COD rows, no cache.
 
@@ -401,7 +402,9 @@ def cod_rows_forward(
     ref = anchor + depth; aux [B, N, 3Ht]: the aux state at ref; anchor, depth, doc [B, N]
     (doc -1 = padding row). Rows with depth > 0 read `mask_token_id` and `mask_hidden`
     (selected before fc, so they pass through the same fc and norms); position id = ref;
-    attention = `peagle_mask(anchor, depth, doc)` unless `mask` [B, N, N] is given.
+    attention = `peagle_mask(anchor, depth, doc)` (dense [B, N, N]) unless `mask` is given:
+    an explicit [B, N, N] mask, or "kernels" = the same rule computed block by block from the
+    row metadata by `kernels.attention` (memory linear in N: the path for long sequences).
     """
     cfg = model.config
     if cfg.mask_token_id is None:
@@ -412,6 +415,8 @@ def cod_rows_forward(
     positions = jnp.where(doc >= 0, anchor + depth, -1)
     if mask is None:
         mask = peagle_mask(anchor, depth, doc)
+    elif mask == "kernels":
+        mask = kernels.AttentionSpec.peagle(anchor, depth, doc)
     return model(tok, model.fuse(hidden), positions, None, mask).logits
 
 

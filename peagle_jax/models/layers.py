@@ -7,10 +7,14 @@ transpose of PyTorch's [out, in] weights. Activations are [B, T, ...]; attention
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import kernels
+from kernels import AttentionSpec
 from peagle_jax.config import RopeConfig
 
 ACTIVATIONS = {
@@ -165,7 +169,9 @@ class Attention(nnx.Module):
 
         Without a cache the keys are this call's tokens; with one, the new keys are written
         at their positions first and the queries read the whole cache (index = position).
-        `mask` [B, T, keys] replaces the positional causal mask (the drafter's COD rule).
+        `mask` [B, T, keys] replaces the positional causal mask (the drafter's COD rule); a
+        `kernels.AttentionSpec` instead runs `kernels.attention` on its row metadata (no
+        [T, T] mask is ever built: the long-sequence training path).
         """
         q, k, v = self.project(x, positions)
         if kv_cache is None:
@@ -174,9 +180,13 @@ class Attention(nnx.Module):
             keys = write_kv(kv_cache[0], k, positions)
             values = write_kv(kv_cache[1], v, positions)
             k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
-        if mask is None:
-            mask = causal_mask(positions, k_pos, self.window)
-        out = dot_attention(q, keys, values, mask, scale=self.scale, softcap=self.softcap)
+        if isinstance(mask, AttentionSpec):  # per-row metadata: blockwise / Pallas kernels
+            spec = dataclasses.replace(mask, scale=self.scale, softcap=self.softcap)
+            out = kernels.attention(q, keys, values, spec)
+        else:
+            if mask is None:
+                mask = causal_mask(positions, k_pos, self.window)
+            out = dot_attention(q, keys, values, mask, scale=self.scale, softcap=self.softcap)
         b, t = x.shape[:2]
         new_cache = None if kv_cache is None else (keys, values)
         return self.o_proj(out.reshape(b, t, -1)), new_cache

@@ -8,7 +8,6 @@ token and mask_hidden at depth > 0, position id = ref.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

@@ -9,7 +9,6 @@ equal to per-row runs, greedy generation equal to transformers' `generate`.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

@@ -140,9 +140,8 @@ class SpeculativeDecoder:
         dspec = None if self.mode == "none" else spec(self.drafter.config, _param_dtype(self.drafter.state))
         return tspec, dspec
 
-    def _engine(self, max_new_tokens: int, temperature: float, top_p: float) -> sp.EngineConfig:
-        return sp.EngineConfig(k=self.k, mode=self.mode, aux_layer_ids=self.aux_layer_ids,
-                               max_new_tokens=int(max_new_tokens), eos_ids=self.eos_ids,
+    def _engine(self, temperature: float, top_p: float) -> sp.EngineConfig:
+        return sp.EngineConfig(k=self.k, mode=self.mode, aux_layer_ids=self.aux_layer_ids, eos_ids=self.eos_ids,
                                temperature=float(temperature), top_p=float(top_p))
 
     def _modules(self):
@@ -160,10 +159,11 @@ class SpeculativeDecoder:
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         ids, prompt, lens, cache_len = self._batch(prompts, max_new_tokens)
-        cfg = self._engine(max_new_tokens, temperature, top_p)
+        cfg = self._engine(temperature, top_p)
         tdef, tstate, ddef, dstate = self._modules()
         tspec, dspec = self._cache_specs(prompt.shape[0], cache_len)
-        state = sp.jit_prefill(cfg, tdef, tstate, ddef, dstate, prompt, lens, tspec, dspec,
+        budget = jnp.full(lens.shape, max_new_tokens, jnp.int32)
+        state = sp.jit_prefill(cfg, tdef, tstate, ddef, dstate, prompt, lens, budget, tspec, dspec,
                                jax.random.key(seed))
         return cfg, ids, state
 

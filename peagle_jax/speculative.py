@@ -32,7 +32,6 @@ class EngineConfig:
     k: int
     mode: str
     aux_layer_ids: tuple[int, ...]
-    max_new_tokens: int
     eos_ids: tuple[int, ...] = ()
     temperature: float = 0.0
     top_p: float = 1.0
@@ -49,9 +48,6 @@ class EngineConfig:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def out_len(self) -> int:  # room for a final round that overshoots max_new_tokens
-        return self.max_new_tokens + self.k + 1
 
 
 class DecodeState(NamedTuple):
@@ -61,8 +57,9 @@ class DecodeState(NamedTuple):
     last: jax.Array  # [B] newest token, at position `length`, not yet seen by the target
     drafts: jax.Array  # [B, K] target ids proposed for positions length+1 .. length+K
     done: jax.Array  # [B] bool
-    out: jax.Array  # [B, out_len] generated tokens
+    out: jax.Array  # [B, L] generated tokens (L = the cache length: room for a final overshoot)
     out_len: jax.Array  # [B]
+    budget: jax.Array  # [B] max new tokens of each row (traced: no recompile per value)
     key: jax.Array
     rounds: jax.Array  # [B] verification rounds each row took part in
     accept_hist: jax.Array  # [K + 1] how many active rounds accepted n drafts, summed over rows
@@ -190,11 +187,11 @@ def _pick_token(cfg: EngineConfig, logits: jax.Array, key: jax.Array) -> jax.Arr
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
-def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, target_cache, drafter_cache, key):
+def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, target_cache, drafter_cache, key):
     """Target prefill, its next token, and the first drafts.
 
-    prompt [B, P] right-padded; prompt_len [B], 0 for a batch-padding row (done at once).
-    Returns a DecodeState whose `out` holds the first token.
+    prompt [B, P] right-padded; prompt_len [B], 0 for a batch-padding row (done at once);
+    budget [B] new tokens allowed per row. Returns a DecodeState whose `out` holds the first token.
     """
     b, p = prompt.shape
     idx = jnp.arange(p)[None, :]
@@ -218,8 +215,9 @@ def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, target_cache
         last=first,
         drafts=drafts,
         done=prompt_len == 0,
-        out=jnp.zeros((b, cfg.out_len), jnp.int32).at[:, 0].set(first),
+        out=jnp.zeros((b, target_cache[0][0].shape[1]), jnp.int32).at[:, 0].set(first),
         out_len=(prompt_len > 0).astype(jnp.int32),
+        budget=budget.astype(jnp.int32),
         key=key,
         rounds=jnp.zeros((b,), jnp.int32),
         accept_hist=jnp.zeros((cfg.k + 1,), jnp.int32),
@@ -238,8 +236,8 @@ def _finish(cfg: EngineConfig, state: DecodeState, emitted, valid) -> DecodeStat
     first_eos = jnp.argmax(hit_eos, axis=-1)
     emitted_count = jnp.sum(valid, axis=-1)
     out_len = jnp.where(has_eos, state.out_len - emitted_count + first_eos + 1, state.out_len)
-    done = state.done | has_eos | (out_len >= cfg.max_new_tokens)
-    return state._replace(done=done, out_len=jnp.minimum(out_len, cfg.max_new_tokens))
+    done = state.done | has_eos | (out_len >= state.budget)
+    return state._replace(done=done, out_len=jnp.minimum(out_len, state.budget))
 
 
 def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> DecodeState:
@@ -260,7 +258,7 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
     padded = jnp.concatenate([state.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(slots == n[:, None], bonus[:, None], padded)
     valid = active[:, None] & (slots <= n[:, None])
-    write_at = jnp.where(valid, state.out_len[:, None] + slots, cfg.out_len)
+    write_at = jnp.where(valid, state.out_len[:, None] + slots, state.out.shape[1])
     new_out = state.out.at[jnp.arange(b)[:, None], write_at].set(emitted, mode="drop")
 
     drafts, drafter_cache = state.drafts, state.drafter_cache
@@ -302,14 +300,14 @@ def _modules(target_def, target_state, drafter_def, drafter_state):
     return target, drafter
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 3, 7, 8))
-def jit_prefill(cfg, target_def, target_state, drafter_def, drafter_state, prompt, prompt_len,
+@functools.partial(jax.jit, static_argnums=(0, 1, 3, 8, 9))
+def jit_prefill(cfg, target_def, target_state, drafter_def, drafter_state, prompt, prompt_len, budget,
                 target_cache_shape, drafter_cache_shape, key) -> DecodeState:
     """Allocates both caches ((dtype, shape) pairs per layer) and runs `prefill`."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     alloc = lambda spec: None if spec is None else tuple(  # noqa: E731
         (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for dtype, shape in spec)
-    return prefill(cfg, target, drafter, prompt, prompt_len, alloc(target_cache_shape),
+    return prefill(cfg, target, drafter, prompt, prompt_len, budget, alloc(target_cache_shape),
                    alloc(drafter_cache_shape), key)
 
 

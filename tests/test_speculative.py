@@ -264,3 +264,15 @@ def test_bad_input_is_refused_clearly(models):
     foreign.config = dataclasses.replace(foreign.config, target_hidden_size=64, vocab_size=128)
     with pytest.raises(ValueError, match="vocabulary"):
         SpeculativeDecoder(target, foreign, k=3)
+
+
+def test_no_recompile_across_calls_in_one_bucket(models):
+    """One compile per (batch bucket, cache length, K): new prompts of other lengths and
+    other token budgets in the same buckets reuse the compiled prefill and loop."""
+    _, target = models["llama-gqa2-tied-llama3"]
+    dec = SpeculativeDecoder(target, pj.new_drafter(target, mode="parallel", seed=2), k=3)
+    first = dec.generate(_prompts(3, seed=8), max_new_tokens=10)
+    sizes = (sp.jit_prefill._cache_size(), sp.jit_generate._cache_size())
+    again = dec.generate(_prompts(4, seed=9), max_new_tokens=14)
+    assert (sp.jit_prefill._cache_size(), sp.jit_generate._cache_size()) == sizes
+    assert [len(t) for t in first.tokens] == [10] * 3 and [len(t) for t in again.tokens] == [14] * 4

@@ -72,6 +72,12 @@ def _pack_sched(ranges, count, full):
   return packed.reshape(-1), packed.shape[-1]
 
 
+def _visit(active, full, update) -> None:
+  """Runs `update(masked)` for a scheduled block: full blocks skip the mask arithmetic."""
+  pl.when(active & full)(lambda: update(False))
+  pl.when(active & jnp.logical_not(full))(lambda: update(True))
+
+
 def _block_at(sched_ref, base, s, R):
   """KV (or Q) block id visited at step s (clamped to the last scheduled block)."""
   cnt = sched_ref[base + 2 * R]
@@ -149,13 +155,7 @@ def _fwd_kernel(sched_ref, sinks_ref, qcol_ref, krow_ref, q_ref, k_ref, v_ref,
     v = v_ref[...]
     acc_scr[...] = _lanes(alpha, D) * acc_scr[...] + _dot(p.astype(v.dtype), v, _NN)
 
-  @pl.when((s < cnt) & full)
-  def _full():
-    update(False)
-
-  @pl.when((s < cnt) & jnp.logical_not(full))
-  def _partial():
-    update(True)
+  _visit(s < cnt, full, update)
 
   @pl.when(s == S - 1)
   def _end():
@@ -255,13 +255,7 @@ def _dq_kernel(sched_ref, qcol_ref, krow_ref, q_ref, k_ref, v_ref, do_ref, lse_r
       ds = ds * (1.0 - t * t)
     dq_scr[...] += _dot(ds.astype(k.dtype), k, _NN)
 
-  @pl.when((s < cnt) & full)
-  def _full():
-    update(False)
-
-  @pl.when((s < cnt) & jnp.logical_not(full))
-  def _partial():
-    update(True)
+  _visit(s < cnt, full, update)
 
   @pl.when(s == S - 1)
   def _end():
@@ -299,13 +293,7 @@ def _dkv_kernel(sched_ref, qrow_ref, kcol_ref, q_ref, k_ref, v_ref, do_ref, lse_
       ds = ds * (1.0 - t * t)
     dk_scr[...] += _dot(ds.astype(q.dtype), q, _NN)
 
-  @pl.when((s < cnt) & full)
-  def _full():
-    update(False)
-
-  @pl.when((s < cnt) & jnp.logical_not(full))
-  def _partial():
-    update(True)
+  _visit(s < cnt, full, update)
 
   @pl.when((g == G - 1) & (s == S - 1))
   def _end():

@@ -109,9 +109,12 @@ class SpeculativeDecoder:
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], int)):
             prompts = [prompts]
         ids = [encode_prompt(self.target.tokenizer, p) for p in prompts]
+        vocab = self.target.config.vocab_size
         for i, row in enumerate(ids):
             if not row:
                 raise ValueError(f"prompt {i} is empty")
+            if min(row) < 0 or max(row) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
         longest = max(len(r) for r in ids)
         need = longest + max_new_tokens + 2 * self.k + 2
         cache_len = self.cache_len or _round_up(need, 64)

@@ -28,7 +28,7 @@ from peagle_jax import speculative as sp
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _draft_only(cfg, ddef, dstate, tokens, aux, positions, bonus_slot, cache):
-    return sp._draft(cfg, nnx.merge(ddef, dstate), tokens, aux, positions, bonus_slot, cache)[0]
+    return sp.draft(cfg, nnx.merge(ddef, dstate), tokens, aux, positions, bonus_slot, cache)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

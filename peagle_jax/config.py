@@ -30,6 +30,21 @@ class ConfigError(ValueError):
     """A config.json that cannot be used; the message names the file and key."""
 
 
+def read_json(path: str | Path) -> dict:
+    """A JSON object from a config file; ConfigError naming the file when it is missing,
+    unreadable or not an object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{path}: unreadable config ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object")
+    return data
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -157,12 +172,7 @@ class TargetConfig:
             if path.is_dir():
                 path = path / "config.json"
             where = str(path)
-            try:
-                source = json.loads(path.read_text())
-            except FileNotFoundError:
-                raise ConfigError(f"{where}: no such file") from None
-            except (OSError, json.JSONDecodeError) as err:
-                raise ConfigError(f"{where}: unreadable config ({err})") from None
+            source = read_json(path)
         return _parse_hf(dict(source), where)
 
     def to_hf(self) -> dict:

@@ -103,17 +103,19 @@ def _load_any_drafter(path: str | os.PathLike, dtype=None):
     return load_drafter(p, dtype=dtype)
 
 
+def _read_config(path: Path) -> dict:
+    from peagle_jax.config import ConfigError, read_json
+
+    try:
+        return read_json(path)
+    except ConfigError as err:  # the callers treat any ConvertError as "no usable folder"
+        raise ConvertError(str(err)) from None
+
+
 def _target_info(folder: Path) -> dict:
     """Lenient facts about a target folder from its config.json (any family, multimodal too)."""
     cfg_file = folder / CONFIG_FILE
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise ConvertError(f"{cfg_file}: no such file (is {folder} a Hugging Face model folder?)") from None
-    except (OSError, ValueError) as err:
-        raise ConvertError(f"{cfg_file}: unreadable config ({err})") from None
-    if not isinstance(raw, dict):
-        raise ConvertError(f"{cfg_file}: expected a JSON object")
+    raw = _read_config(cfg_file)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
     info = {"path": str(folder), "model_type": raw.get("model_type"),
             "architectures": raw.get("architectures") or []}
@@ -275,17 +277,7 @@ def inspect_folder(path: str | os.PathLike, *, target: str | os.PathLike | None 
         raise ConvertError(f"{folder}: not a folder")
     if (folder / OWN_CONFIG_FILE).exists():
         return _inspect_own(folder, shown, target)
-    cfg_file = folder / CONFIG_FILE
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except FileNotFoundError:
-        raise ConvertError(f"{cfg_file}: no such file (neither a vLLM / speculators folder nor our checkpoint)") \
-            from None
-    except (OSError, ValueError) as err:
-        raise ConvertError(f"{cfg_file}: unreadable config ({err})") from None
-    if not isinstance(raw, dict):
-        raise ConvertError(f"{cfg_file}: expected a JSON object")
-    return _Inspector(folder, shown, raw, target).run()
+    return _Inspector(folder, shown, _read_config(folder / CONFIG_FILE), target).run()
 
 
 class _Inspector:

@@ -38,7 +38,7 @@ import numpy as np
 from flax import nnx
 
 import kernels
-from peagle_jax.config import ConfigError, RopeConfig
+from peagle_jax.config import ConfigError, RopeConfig, read_json
 from peagle_jax.folders import atomic_folder, check_destination
 from peagle_jax.models.layers import ACTIVATIONS, MLP, Attention, RMSNorm
 
@@ -577,10 +577,7 @@ def _load_own(path: Path, dtype=None) -> Drafter:
     import orbax.checkpoint as ocp
 
     cfg_file = path / OWN_CONFIG_FILE
-    try:
-        meta = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{cfg_file}: unreadable drafter config ({err})") from None
+    meta = read_json(cfg_file)
     if meta.get("format") != OWN_FORMAT:
         raise ConfigError(f"{cfg_file}: key 'format' is {meta.get('format')!r}, expected {OWN_FORMAT!r}")
     if meta.get("version") != OWN_VERSION:

@@ -32,7 +32,6 @@ Semantics taken from vLLM (the serving contract) where the tools differ:
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -40,7 +39,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from peagle_jax.config import ConfigError, RopeConfig
+from peagle_jax.config import ConfigError, RopeConfig, read_json
 from peagle_jax.folders import CONFIG_FILE, SINGLE_FILE, write_hf_folder
 from peagle_jax.drafter import (
     NUM_AUX,
@@ -142,18 +141,6 @@ def _hf_shape(shape: tuple, transform: str) -> tuple:
 
 # ---------------------------------------------------------------------------------------
 # config.json parsing
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{path}: unreadable config ({err})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a JSON object")
-    return data
-
-
 def _req(cfg: dict, key: str, where: str, kind=int):
     if cfg.get(key) is None:
         raise ConfigError(f"{where}: missing key {key!r}")
@@ -311,7 +298,7 @@ def read_speculators_config(cfg: dict, where: str, folder: Path | None = None) -
     if aux is None and name and folder is not None:  # speculators/vLLM default from the verifier's depth
         vcfg = (folder / name / CONFIG_FILE) if not Path(name).is_absolute() else Path(name) / CONFIG_FILE
         if vcfg.exists():
-            n = int(_read_json(vcfg).get("num_hidden_layers") or 0)
+            n = int(read_json(vcfg).get("num_hidden_layers") or 0)
             if n:
                 aux = (2, n // 2, n - 3)
     hidden = shape["hidden_size"]
@@ -341,7 +328,7 @@ def detect_format(path: str | os.PathLike) -> str:
         return "own"
     if not p.is_dir():
         raise FileNotFoundError(f"{p}: no such folder")
-    cfg = _read_json(p / CONFIG_FILE)
+    cfg = read_json(p / CONFIG_FILE)
     if "speculators_model_type" in cfg:
         return "speculators"
     read_vllm_config(cfg, str(p / CONFIG_FILE))  # raises on an unknown architecture
@@ -375,7 +362,7 @@ def import_drafter(path: str | os.PathLike, *, target=None, dtype="float32") -> 
 
         return load_drafter(folder, dtype=dtype)
     where = str(folder / CONFIG_FILE)
-    raw = _read_json(folder / CONFIG_FILE)
+    raw = read_json(folder / CONFIG_FILE)
     if fmt == "speculators":
         config = read_speculators_config(raw, where, folder)
     else:

@@ -157,22 +157,23 @@ def draft_chain(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
     """EAGLE-3: a pass over the real slots, then K-1 passes feeding the pre-norm state back."""
     out = drafter(tokens, drafter.fuse(aux), positions, cache)
     prenorm = jnp.take_along_axis(out.prenorm, bonus_slot[:, None, None], axis=1)
-    draft = _draft_ids(drafter, drafter.head(prenorm))[:, 0]
+    token = _draft_ids(drafter, drafter.head(prenorm))[:, 0]
     hidden = drafter.feedback(prenorm)
     pos = jnp.take_along_axis(positions, bonus_slot[:, None], axis=1)
 
     def step(carry, _):
-        draft, hidden, pos, cache = carry
+        token, hidden, pos, cache = carry
         pos = jnp.where(pos >= 0, pos + 1, -1)
-        o = drafter(draft[:, None], hidden, pos, cache)
+        o = drafter(token[:, None], hidden, pos, cache)
         nxt = _draft_ids(drafter, o.logits)[:, 0]
         return (nxt, drafter.feedback(o.prenorm), pos, o.cache), nxt
 
-    (_, _, _, cache), rest = jax.lax.scan(step, (draft, hidden, pos, out.cache), None, length=k - 1)
-    return jnp.concatenate([draft[:, None], rest.T], axis=1), cache
+    (_, _, _, cache), rest = jax.lax.scan(step, (token, hidden, pos, out.cache), None, length=k - 1)
+    return jnp.concatenate([token[:, None], rest.T], axis=1), cache
 
 
-def _draft(cfg: EngineConfig, drafter, tokens, aux, positions, bonus_slot, cache):
+def draft(cfg: EngineConfig, drafter, tokens, aux, positions, bonus_slot, cache):
+    """The drafting step of `cfg.mode`: (drafts [B, K] target ids, drafter cache)."""
     fn = draft_parallel if cfg.mode == "parallel" else draft_chain
     return fn(drafter, tokens, aux, positions, bonus_slot, cfg.k, cache)
 
@@ -206,7 +207,7 @@ def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, targ
         # slot j holds token x[j+1] with aux of position j; the last real slot holds `first`
         shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
         shifted = jnp.where(idx == (prompt_len - 1)[:, None], first[:, None], shifted)
-        drafts, drafter_cache = _draft(cfg, drafter, shifted, out.aux_hidden, positions,
+        drafts, drafter_cache = draft(cfg, drafter, shifted, out.aux_hidden, positions,
                                        last_slot, drafter_cache)
     state = DecodeState(
         target_cache=out.cache,
@@ -265,7 +266,7 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
     if cfg.mode != "none":
         # drafter slots: emitted tokens at the positions they follow, with those positions' aux
         draft_pos = jnp.where(valid, positions, -1)
-        drafts, drafter_cache = _draft(cfg, drafter, emitted, out.aux_hidden, draft_pos, n,
+        drafts, drafter_cache = draft(cfg, drafter, emitted, out.aux_hidden, draft_pos, n,
                                        state.drafter_cache)
     hist = state.accept_hist + jnp.sum(
         jax.nn.one_hot(n, k + 1, dtype=jnp.int32) * active[:, None].astype(jnp.int32), axis=0)

@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-fast demo clean
+.PHONY: test test-fast test-slow lint demo clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -12,22 +12,33 @@ $(BIN)/python:
 # speculators (the independent PyTorch check) pins an older transformers; its import-time
 # needs come from the `speculators` extra and the package itself goes in without deps.
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,demo,speculators]'
+	$(BIN)/pip install -q -e '.[test,demo,train,speculators]'
 	$(BIN)/pip install -q --no-deps speculators==0.9.0
 	touch $@
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[demo]'
+	$(BIN)/pip install -q -e '.[demo,train]'
 	touch $@
 
-test: $(VENV)/.installed-test
+# the import contracts (pyproject [tool.importlinter]) and ruff's lint and format checks
+lint: $(VENV)/.installed-test
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
 	$(BIN)/python -m pytest -q
+
+# the minutes-long checks the default run leaves out (the released-size head, the MoE matrix)
+test-slow: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -m slow
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m 'not real and not gpu'
 
+# the main job: train a P-EAGLE head for the real Gemma-3-270M on ShareGPT, evaluate it, export it
 demo: $(VENV)/.installed-demo
-	$(BIN)/python -m peagle_jax.demo
+	$(BIN)/python -m train
 
 clean:
 	rm -rf $(VENV) .pytest_cache

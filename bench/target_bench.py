@@ -6,8 +6,9 @@
 
 For each batch size: prefill tokens/s (B * prompt_len / time of the prompt pass) and decode
 tokens/s (B * (new - 1) / time of the decode steps after the first token), float32, greedy,
-the same prompts and token counts on both sides. JAX: the jitted `prefill` and the jitted
-`decode_loop` (one `lax.while_loop`), warmed up first so compile time is excluded.
+the same prompts and token counts on both sides. JAX: the engine's plain decoding (mode
+"none", what `generate_greedy` runs): its jitted prefill (cache allocation included) and its
+jitted `lax.while_loop` of rounds, warmed up first so compile time is excluded.
 transformers: `generate(max_new_tokens=1)` is the prefill; `generate(max_new_tokens=N)` minus it
 is the decode (min_new_tokens=N so EOS never stops early). Runs alternate between the two
 (the machine is shared); the best of `--repeats` is reported (all times go to the JSON). Decoding at batch B reads
@@ -40,7 +41,7 @@ def _prompts(tokenizer, vocab: int, batch: int, length: int) -> np.ndarray:
         ids = tokenizer(TEXT * 40)["input_ids"]
     else:
         ids = np.random.default_rng(0).integers(3, vocab, 8 * length).tolist()
-    rows = [ids[1 + 7 * b: 1 + 7 * b + length - 1] for b in range(batch)]  # shifted rows
+    rows = [ids[1 + 7 * b : 1 + 7 * b + length - 1] for b in range(batch)]  # shifted rows
     bos = ids[0]
     return np.array([[bos] + r for r in rows], np.int32)
 
@@ -52,33 +53,27 @@ def _timed(fn) -> float:
 
 
 def bench_jax(target, prompts: np.ndarray, new: int):
+    """Prefill and decode of the engine's plain decoding (mode "none": what `generate_greedy` runs)."""
     import jax
-    import jax.numpy as jnp
 
-    from peagle_jax.target import _eos_array, _round_up, decode_loop, prefill
+    from peagle_jax import speculative as sp
+    from peagle_jax.generation import SpeculativeDecoder
 
-    b, t = prompts.shape
-    size = _round_up(t + new, 32)
-    tokens, lengths = jnp.asarray(prompts), jnp.full((b,), t, jnp.int32)
-    eos = _eos_array(())
+    dec = SpeculativeDecoder(target, mode="none", eos_ids=())  # never stop early: fixed token counts
+    rows = prompts.tolist()
     state = {}
 
     def run_prefill():
-        cache = target.init_cache(b, size)
-        jax.block_until_ready(cache)
         t0 = time.perf_counter()
-        logits, cache = prefill(target.graphdef, target.state, tokens, lengths, cache)
-        first = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        jax.block_until_ready(first)
-        state.update(cache=cache, first=first)
+        cfg, _, st = dec.start(rows, max_new_tokens=new)
+        jax.block_until_ready(st)
+        state.update(cfg=cfg, state=st)
         return time.perf_counter() - t0
 
     def run_decode():
         t0 = time.perf_counter()
-        out, _ = decode_loop(target.graphdef, target.state, state.pop("cache"), state["first"], lengths, eos,
-                             max_new_tokens=new)
-        out = np.asarray(out)
-        state["out"] = out
+        st = sp.jit_generate(state["cfg"], *dec.modules(), state.pop("state"))
+        state["out"] = np.asarray(st.out)[:, :new]
         return time.perf_counter() - t0
 
     return run_prefill, run_decode, state
@@ -108,8 +103,9 @@ def bench_hf(model, prompts: np.ndarray, new: int):
 
     def gen(n):
         with torch.no_grad():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                  pad_token_id=0)
+            return model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
 
     def run_prefill():
         return _timed(lambda: gen(1))
@@ -117,7 +113,7 @@ def bench_hf(model, prompts: np.ndarray, new: int):
     def run_full():
         t0 = time.perf_counter()
         out = gen(new)
-        state["out"] = out[:, prompts.shape[1]:].numpy()
+        state["out"] = out[:, prompts.shape[1] :].numpy()
         return time.perf_counter() - t0
 
     return run_prefill, run_full, state
@@ -132,10 +128,15 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-hf", action="store_true", help="time only the JAX target")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="JAX target dtype (transformers always runs float32)")
-    p.add_argument("--torch-threads", type=int, default=None,
-                   help="torch.set_num_threads (default: torch's own, = the cores)")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="JAX target dtype (transformers always runs float32)",
+    )
+    p.add_argument(
+        "--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's own, = the cores)"
+    )
     p.add_argument("--json", default="bench/results/target_bench.json")
     args = p.parse_args(argv)
 
@@ -161,9 +162,12 @@ def main(argv=None) -> int:
 
         hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
     param_bytes = target.param_bytes
-    print(f"# {target!r}\n# params {target.num_params / 1e6:.1f}M = {param_bytes / 2**20:.0f} MiB {args.dtype}; "
-          f"load {load_s:.1f}s; jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
-          f"({torch.get_num_threads()} threads), {os.cpu_count()} cpus", flush=True)
+    print(
+        f"# {target!r}\n# params {target.num_params / 1e6:.1f}M = {param_bytes / 2**20:.0f} MiB {args.dtype}; "
+        f"load {load_s:.1f}s; jax {jax.__version__} ({jax.devices()[0].platform}), torch {torch.__version__} "
+        f"({torch.get_num_threads()} threads), {os.cpu_count()} cpus",
+        flush=True,
+    )
 
     load_start = os.getloadavg()
     print(f"# load average {load_start[0]:.1f} (the machine is shared; numbers are best of {args.repeats})")
@@ -215,9 +219,11 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"# batch {b} done (jax compile {compile_s:.1f}s)", flush=True)
 
-    hdr = (f"{'batch':>5} | {'prefill tok/s jax':>17} | {'hf':>8} | {'x':>5} | {'decode tok/s jax':>16} | "
-           f"{'hf':>8} | {'x':>5} | {'ms/step jax':>11} | {'hf':>7} | {'MiB/token':>9} | {'GB/s jax':>8} | "
-           f"{'GB/s hf':>7} | {'lm_head ms':>10} | same")
+    hdr = (
+        f"{'batch':>5} | {'prefill tok/s jax':>17} | {'hf':>8} | {'x':>5} | {'decode tok/s jax':>16} | "
+        f"{'hf':>8} | {'x':>5} | {'ms/step jax':>11} | {'hf':>7} | {'MiB/token':>9} | {'GB/s jax':>8} | "
+        f"{'GB/s hf':>7} | {'lm_head ms':>10} | same"
+    )
     print(hdr)
     for r in rows:
         hf_ = r.get("hf_prefill_tok_s")
@@ -234,8 +240,13 @@ def main(argv=None) -> int:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "target": repr(target),
         "param_bytes": param_bytes,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-                    "torch": torch.__version__, "torch_threads": torch.get_num_threads()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "jax": jax.__version__,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
         "rows": rows,
     }
     out = Path(args.json)

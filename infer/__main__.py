@@ -1,6 +1,7 @@
 """`python -m infer generate|bench`: speculative decoding from the command line.
 
-Errors print one line to stderr and exit 2.
+Exit status: 0 ok, 1 the work failed (a folder, file or value the command could not use),
+2 a usage error. Errors are one line on stderr; progress lines go to stderr, results to stdout.
 """
 
 from __future__ import annotations
@@ -8,79 +9,198 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
+
+from peagle_jax.cli import DefaultsFormatter, OneLineParser, run
+
+Formatter = DefaultsFormatter
+
+
+def _number(kind, lo, hi, what: str):
+    """An argparse type: `kind(text)` within [lo, hi] (nan and inf never pass)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, 1, float("inf"), "a positive integer")
+non_negative_float = _number(float, 0.0, 1e30, "a finite number >= 0")
+probability = _number(float, 1e-30, 1.0, "a number in (0, 1]")
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", required=True, help="Hugging Face folder of the target model")
-    p.add_argument("--drafter", help="drafter checkpoint (ours, vLLM or speculators folder)")
-    p.add_argument("--k", type=int, default=7, help="drafts per round (default 7)")
-    p.add_argument("--mode", default="parallel", choices=["parallel", "chain", "none"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--deep-k", default="error", choices=["error", "warn"],
-                   help="k above the drafter's trained depth: fail or warn")
+    p.add_argument("--target", required=True, metavar="DIR", help="Hugging Face folder of the target model")
+    p.add_argument(
+        "--drafter",
+        metavar="DIR",
+        help="drafter checkpoint (ours, vLLM or speculators folder); needed unless --mode none",
+    )
+    p.add_argument("--k", type=positive_int, default=7, help="drafts per round")
+    p.add_argument(
+        "--mode",
+        default="parallel",
+        choices=["parallel", "chain", "none"],
+        help="parallel = P-EAGLE (one drafter pass), chain = EAGLE-3, none = plain decoding",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="target dtype; auto = float32 on CPU, bfloat16 on GPU/TPU",
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens per prompt at most")
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument(
+        "--deep-k", default="error", choices=["error", "warn"], help="k above the drafter's trained depth: fail or warn"
+    )
+    p.add_argument(
+        "--stop-token-ids",
+        metavar="IDS",
+        help="extra stop token ids, comma separated "
+        "(added to the target's eos ids from config.json and generation_config.json)",
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m infer", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate from one prompt")
+    parser = OneLineParser(prog="python -m infer", description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND")
+    gen = sub.add_parser(
+        "generate",
+        help="generate from one prompt (text or token ids)",
+        formatter_class=Formatter,
+        description="Generate from one prompt and print the text (or JSON with --json).",
+    )
     _common(gen)
-    gen.add_argument("--prompt", required=True, help="text (the chat template is applied when the target has one)")
+    prompt = gen.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text (the chat template is applied when the target has one)")
+    prompt.add_argument(
+        "--prompt-ids",
+        metavar="IDS",
+        help="token ids, comma separated (a target without a "
+        "tokenizer), or a .jsonl file with one list of ids per line",
+    )
     gen.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    bench = sub.add_parser("bench", help="baseline vs speculative decoding on a prompt set")
+    bench = sub.add_parser(
+        "bench",
+        help="baseline vs speculative decoding on a prompt set",
+        formatter_class=Formatter,
+        description="Plain decoding and speculative decoding on the same prompts, "
+        "interleaved, with speedup and acceptance statistics.",
+    )
     _common(bench)
     bench.add_argument("--prompts", default="mtbench", help="mtbench | humaneval | a JSONL file")
-    bench.add_argument("--limit", type=int, default=None, help="use the first N prompts")
-    bench.add_argument("--batch-size", type=int, default=1)
-    bench.add_argument("--json", dest="json_out", help="write all results to this file")
-    return parser.parse_args(argv)
+    bench.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts (default: all)")
+    bench.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
+    bench.add_argument("--json", dest="json_out", metavar="FILE", help="write all results to this file")
+    args = parser.parse_args(argv)
+    if args.mode != "none" and not args.drafter:
+        parser.error(f"--mode {args.mode} needs --drafter DIR (or use --mode none)")
+    return args
+
+
+def _ids(text: str, flag: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise ValueError(f"{flag}: no token ids in {text!r}")
+    return ids
+
+
+def read_prompt_ids(value: str) -> list[list[int]]:
+    """`--prompt-ids`: "1,2,3", or a .jsonl file holding one JSON list of ids per line."""
+    path = Path(value)
+    if not path.suffix == ".jsonl":
+        return [_ids(value, "--prompt-ids")]
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+            if not isinstance(row, list) or not row or not all(isinstance(t, int) for t in row):
+                raise ValueError(f"{path}:{lineno}: expected a non-empty JSON list of token ids")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    return rows
+
+
+def status(message: str) -> None:
+    print(f"[infer] {message}", file=sys.stderr, flush=True)
 
 
 def _load(args):
     import peagle_jax as pj
-    from infer.api import SpeculativeDecoder
+    from peagle_jax.generation import SpeculativeDecoder
 
-    target = pj.load_target(args.target, dtype=args.dtype)
-    drafter = None
-    if args.mode != "none":
-        if not args.drafter:
-            raise ValueError(f"--mode {args.mode} needs --drafter")
-        drafter = pj.load_drafter(args.drafter)
-    return target, drafter, lambda mode: SpeculativeDecoder(target, drafter, k=args.k, mode=mode,
-                                                            deep_k=args.deep_k)
+    t0 = time.perf_counter()
+    status(f"loading target {args.target} ...")
+    target = pj.load_target(args.target, dtype=None if args.dtype == "auto" else args.dtype)
+    drafter = None if args.mode == "none" else pj.load_drafter(args.drafter)
+    status(
+        f"loaded {target!r}" + ("" if drafter is None else f" and {drafter!r}") + f" in {time.perf_counter() - t0:.1f}s"
+    )
+    stops = None if args.stop_token_ids is None else _ids(args.stop_token_ids, "--stop-token-ids")
+
+    def make(mode, **kw):
+        return SpeculativeDecoder(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k, **kw)
+
+    return target, drafter, make, stops
 
 
 def run_generate(args) -> None:
-    _, _, make = _load(args)
-    res = make(args.mode).generate([args.prompt], max_new_tokens=args.max_new_tokens,
-                                   temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    _, _, make, stops = _load(args)
+    prompts = [args.prompt] if args.prompt is not None else read_prompt_ids(args.prompt_ids)
+    dec = make(args.mode)
+    status("compiling and generating (the first call compiles) ...")
+    res = dec.generate(
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=stops,
+    )
     if args.json:
-        print(json.dumps({"tokens": res.tokens[0], "text": res.texts[0] if res.texts else None,
-                          "stats": res.stats}))
+        rows = [{"tokens": t, "text": res.texts[i] if res.texts else None} for i, t in enumerate(res.tokens)]
+        print(json.dumps({**rows[0], "stats": res.stats} if len(rows) == 1 else {"outputs": rows, "stats": res.stats}))
     else:
-        print(res.texts[0] if res.texts else res.tokens[0])
+        for i, t in enumerate(res.tokens):
+            print(res.texts[i] if res.texts else t)
         s = res.stats
-        print(f"[{s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
-              f"acceptance length {s['acceptance_length']:.2f}]", file=sys.stderr)
+        status(
+            f"{s['new_tokens']} tokens in {s['seconds']:.1f}s (compilation included), acceptance length "
+            f"{s['acceptance_length']:.2f}"
+        )
+
+
+def _work(args) -> int:
+    if args.command == "generate":
+        run_generate(args)
+        return 0
+    from infer.bench import run_bench
+
+    target, drafter, make, stops = _load(args)
+    run_bench(args, target, drafter, make, stops)
+    return 0
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    try:
-        if args.command == "generate":
-            run_generate(args)
-        else:
-            from infer.bench import run_bench
-
-            run_bench(args, *_load(args))
-    except (ValueError, OSError, KeyError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return run(argv, parse_args, _work)
 
 
 if __name__ == "__main__":

@@ -7,13 +7,10 @@ compile time is excluded by a warm-up pass.
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import statistics
 import sys
-import tempfile
-
-import functools
 import time
 
 import jax
@@ -21,9 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
-from infer.api import SpeculativeDecoder, encode_prompt
-from infer.prompts import load_prompts
+from peagle_jax import cache as kv
 from peagle_jax import speculative as sp
+from peagle_jax.folders import atomic_write_text
+from peagle_jax.generation import SpeculativeDecoder, encode_prompt
+from peagle_jax.prompts import load_prompts
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -49,8 +48,8 @@ def _median_ms(fn, reps: int) -> float:
 
 def round_ms(dec: SpeculativeDecoder, prompt, reps: int = 5) -> float:
     """Median wall time of one whole round (verify + accept + draft) after `prompt`."""
-    cfg, _, state = dec.prefill([prompt], max_new_tokens=(reps + 2) * (dec.k + 1) + 8)
-    mods = dec._modules()
+    cfg, _, state = dec.start([prompt], max_new_tokens=(reps + 2) * (dec.k + 1) + 8)
+    mods = dec.modules()
     state = sp.jit_round(cfg, *mods, state)  # compile
     times = []
     for _ in range(reps):
@@ -63,49 +62,64 @@ def round_ms(dec: SpeculativeDecoder, prompt, reps: int = 5) -> float:
 def round_breakdown(dec: SpeculativeDecoder, prompt, reps: int = 5) -> dict:
     """Milliseconds per round of the drafter alone (half the drafts accepted) and of the
     target's verification of K+1 tokens alone, timed on the state after `prompt`."""
-    cfg, _, state = dec.prefill([prompt], max_new_tokens=8)
-    tdef, tstate, ddef, dstate = dec._modules()
+    cfg, _, state = dec.start([prompt], max_new_tokens=8)
+    tdef, tstate, ddef, dstate = dec.modules()
     k, b = dec.k, state.last.shape[0]
     slots = jnp.arange(k + 1)[None, :]
     positions = state.length[:, None] + slots
     tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
-    result = {"target_ms_per_round": _median_ms(
-        lambda: _verify_only(cfg, tdef, tstate, tokens, positions, state.target_cache), reps)}
+    result = {
+        "target_ms_per_round": _median_ms(
+            lambda: _verify_only(cfg, tdef, tstate, tokens, positions, state.target_cache), reps
+        )
+    }
     if dec.mode != "none":
         aux = jnp.zeros((b, k + 1, 3 * dec.target.config.hidden_size), state.target_cache[0][0].dtype)
         n = jnp.full((b,), k // 2, jnp.int32)
         draft_pos = jnp.where(slots <= n[:, None], positions, -1)
         result["drafter_ms_per_round"] = _median_ms(
-            lambda: _draft_only(cfg, ddef, dstate, tokens, aux, draft_pos, n, state.drafter_cache), reps)
+            lambda: _draft_only(cfg, ddef, dstate, tokens, aux, draft_pos, n, state.drafter_cache), reps
+        )
     return result
 
 
 def _batches(items, size):
-    return [items[i: i + size] for i in range(0, len(items), size)]
+    return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def run_bench(args, target, drafter, make) -> dict:
+def run_bench(args, target, drafter, make, stop_token_ids=None) -> dict:
     conversations = load_prompts(args.prompts, limit=args.limit)
     if not conversations:
         raise ValueError(f"--prompts {args.prompts}: no prompts")
     ids = [encode_prompt(target.tokenizer, c) for c in conversations]
     longest = max(len(i) for i in ids)
-    base, spec = make("none"), make(args.mode)
-    pad = -(-longest // 64) * 64
-    cache_len = -(-(pad + args.max_new_tokens + 2 * args.k + 2) // 64) * 64
-    for dec in (base, spec):
-        dec.prompt_pad, dec.cache_len = pad, cache_len
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-              seed=args.seed)
+    # one shape for both decoders and every batch: prompts padded to the longest, one cache length
+    pad = kv.round_up(longest, kv.LENGTH_MULTIPLE)
+    shape = dict(prompt_pad=pad, cache_len=kv.bucket_length(pad, args.max_new_tokens, args.k))
+    base, spec = make("none", **shape), make(args.mode, **shape)
+    kw = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_token_ids=stop_token_ids,
+    )
     batches = _batches(ids, args.batch_size)
-    for dec in (base, spec):  # warm-up: compile outside the timings
+    for name, dec in (("plain", base), (args.mode, spec)):  # warm-up: compile outside the timings
+        t0 = time.perf_counter()
         dec.generate(batches[0], **kw)
+        print(
+            f"[infer] warm-up ({name}, compilation included): {time.perf_counter() - t0:.1f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     rows = []
     for batch in tqdm(batches, desc=f"bench {args.mode} k={args.k}", file=sys.stderr):
         b = base.generate(batch, **kw)
         s = spec.generate(batch, **kw)
-        rows.append({"base": b.stats, "spec": s.stats,
-                     "same_tokens": b.tokens == s.tokens if args.temperature == 0 else None})
+        rows.append(
+            {"base": b.stats, "spec": s.stats, "same_tokens": b.tokens == s.tokens if args.temperature == 0 else None}
+        )
     result = summarize(args, rows)
     result.update(round_breakdown(spec, batches[0][0]))
     _print(result)
@@ -122,18 +136,27 @@ def summarize(args, rows) -> dict:
     spec_tps = total("new_tokens", "spec") / total("seconds", "spec")
     rounds = total("rounds", "spec")
     acc = sum(r["spec"]["acceptance_length"] * r["spec"]["rounds"] for r in rows) / max(rounds, 1)
-    per_pos = [sum(r["spec"]["per_position_acceptance"][i] * r["spec"]["rounds"] for r in rows) / max(rounds, 1)
-               for i in range(args.k if args.mode != "none" else 0)]
+    per_pos = [
+        sum(r["spec"]["per_position_acceptance"][i] * r["spec"]["rounds"] for r in rows) / max(rounds, 1)
+        for i in range(args.k if args.mode != "none" else 0)
+    ]
     return {
-        "prompts": args.prompts, "mode": args.mode, "k": args.k, "batches": len(rows),
-        "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-        "baseline_tokens_per_second": base_tps, "speculative_tokens_per_second": spec_tps,
-        "speedup": spec_tps / base_tps, "acceptance_length": acc,
+        "prompts": args.prompts,
+        "mode": args.mode,
+        "k": args.k,
+        "batches": len(rows),
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "baseline_tokens_per_second": base_tps,
+        "speculative_tokens_per_second": spec_tps,
+        "speedup": spec_tps / base_tps,
+        "acceptance_length": acc,
         "per_position_acceptance": per_pos,
         "ms_per_round": 1000 * total("seconds", "spec") / max(rounds / args.batch_size, 1),
         "identical_greedy_outputs": all(r["same_tokens"] for r in rows) if args.temperature == 0 else None,
         "median_batch_speedup": statistics.median(
-            (r["spec"]["tokens_per_second"] / r["base"]["tokens_per_second"]) for r in rows),
+            (r["spec"]["tokens_per_second"] / r["base"]["tokens_per_second"]) for r in rows
+        ),
     }
 
 
@@ -147,12 +170,9 @@ def _print(r: dict) -> None:
     print(f"{'per-position acceptance':<28}" + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
     print(f"{'ms per round':<28}{r['ms_per_round']:.1f}")
     print(f"{'drafter / target ms':<28}{r.get('drafter_ms_per_round', 0):.1f} / {r['target_ms_per_round']:.1f}")
+    if r["identical_greedy_outputs"] is not None:
+        print(f"{'identical greedy outputs':<28}{r['identical_greedy_outputs']}")
 
 
 def _write_json(path: str, data: dict) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1))

@@ -10,10 +10,22 @@ truth for tests). Block schedules (``kernels.schedule``) are computed inside jit
 per-row metadata. ``kernels.layouts.cod_layout`` builds COD row layouts for tests/benches.
 This package depends on nothing else in the project.
 """
-from . import layouts, reference, schedule
+
+from . import decode, dense, layouts, reference, schedule
 from .api import attention, resolve_backend
 from .schedule import BlockSchedule, make_schedule
 from .spec import AttentionSpec, visible
 
-__all__ = ["AttentionSpec", "attention", "resolve_backend", "visible", "BlockSchedule",
-           "make_schedule", "reference", "schedule", "layouts"]
+__all__ = [
+    "decode",
+    "dense",
+    "AttentionSpec",
+    "attention",
+    "resolve_backend",
+    "visible",
+    "BlockSchedule",
+    "make_schedule",
+    "reference",
+    "schedule",
+    "layouts",
+]

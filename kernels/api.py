@@ -1,120 +1,142 @@
 """`kernels.attention`: one entry point, several backends."""
+
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
 from . import _common as C
+from . import dense as _dense
 from . import reference as _reference
 from .schedule import DEFAULT_NUM_RANGES, build_schedule, pad_rows
 from .spec import AttentionSpec
 
 __all__ = ["attention", "resolve_backend", "DEFAULT_BLOCKS"]
 
-BACKENDS = ("auto", "xla", "gpu", "tpu", "reference")
+BACKENDS = ("auto", "xla", "gpu", "tpu", "dense", "reference")
 # (block_q, block_k) defaults per backend
 DEFAULT_BLOCKS = {"xla": (128, 128), "gpu": (64, 64), "tpu": (128, 128)}
 
 
 def resolve_backend(backend: str = "auto") -> str:
-  if backend not in BACKENDS:
-    raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
-  if backend != "auto":
-    return backend
-  platform = jax.default_backend()
-  if platform in ("gpu", "cuda"):
-    return "gpu"
-  if platform == "tpu":
-    return "tpu"
-  return "xla"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    platform = jax.default_backend()
+    if platform in ("gpu", "cuda"):
+        return "gpu"
+    if platform == "tpu":
+        return "tpu"
+    return "xla"
 
 
 def _check(q, k, v, spec: AttentionSpec, sinks):
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"attention expects q [B,Tq,Hq,D], k/v [B,Tk,Hkv,D]; got "
-                     f"{q.shape}, {k.shape}, {v.shape}")
-  B, Tq, Hq, D = q.shape
-  if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
-    raise ValueError(f"k {k.shape} and v {v.shape} must both be [B={B}, Tk, Hkv, D={D}]")
-  Hkv = k.shape[2]
-  if Hq % Hkv:
-    raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv} (GQA)")
-  if spec.q_anchor.shape != (B, Tq):
-    raise ValueError(f"spec q metadata has shape {spec.q_anchor.shape}, expected {(B, Tq)}")
-  if spec.kv_anchor.shape != (B, k.shape[1]):
-    raise ValueError(f"spec kv metadata has shape {spec.kv_anchor.shape}, "
-                     f"expected {(B, k.shape[1])}")
-  if sinks is not None and jnp.shape(sinks) != (Hq,):
-    raise ValueError(f"sinks must have shape ({Hq},), got {jnp.shape(sinks)}")
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"attention expects q [B,Tq,Hq,D], k/v [B,Tk,Hkv,D]; got {q.shape}, {k.shape}, {v.shape}")
+    B, Tq, Hq, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"k {k.shape} and v {v.shape} must both be [B={B}, Tk, Hkv, D={D}]")
+    Hkv = k.shape[2]
+    if Hq % Hkv:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv} (GQA)")
+    if spec.q_anchor.shape != (B, Tq):
+        raise ValueError(f"spec q metadata has shape {spec.q_anchor.shape}, expected {(B, Tq)}")
+    if spec.kv_anchor.shape != (B, k.shape[1]):
+        raise ValueError(f"spec kv metadata has shape {spec.kv_anchor.shape}, expected {(B, k.shape[1])}")
+    if sinks is not None and jnp.shape(sinks) != (Hq,):
+        raise ValueError(f"sinks must have shape ({Hq},), got {jnp.shape(sinks)}")
 
 
-def attention(q, k, v, spec: AttentionSpec, *, sinks=None, backend: str = "auto",
-              block_q: int | None = None, block_k: int | None = None,
-              return_lse: bool = False, interpret=False,
-              num_ranges: int = DEFAULT_NUM_RANGES):
-  """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] under ``spec``'s rule.
+def attention(
+    q,
+    k,
+    v,
+    spec: AttentionSpec,
+    *,
+    sinks=None,
+    backend: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+    return_lse: bool = False,
+    interpret=False,
+    num_ranges: int = DEFAULT_NUM_RANGES,
+):
+    """Attention of q [B, Tq, Hq, D] over k, v [B, Tk, Hkv, D] under ``spec``'s rule.
 
-  Returns out [B, Tq, Hq, D] in q.dtype, and lse [B, Hq, Tq] f32 when ``return_lse``.
-  ``sinks`` [Hq]: per-head attention-sink logits (denominator only). ``backend``: "auto"
-  (Pallas GPU on GPU, Pallas TPU on TPU, blockwise XLA elsewhere), "xla", "gpu", "tpu",
-  "reference" (dense). ``block_q``/``block_k``: tile sizes (defaults in DEFAULT_BLOCKS;
-  GPU: powers of two >= 16, TPU: multiples of 128; shortened for short sequences).
-  ``interpret``: run the Pallas kernels interpreted on CPU: True (GPU: the Pallas
-  interpreter; TPU: TPU interpret mode, ``pltpu.InterpretParams()``), "generic" (TPU: the
-  faster plain Pallas interpreter) or an ``InterpretParams``; ignored by xla/reference.
-  ``num_ranges``: KV-block ranges kept per query block by the schedule (see
-  `kernels.schedule`). Differentiable in q, k, v (and sinks; also through lse).
-  Fully masked rows give out 0 and lse -inf (the sink value with sinks). Rows need not be
-  sorted; COD layouts sorted by (depth, anchor) make the block schedule tight. Sequences
-  are padded to block multiples internally. The schedule is computed inside jit from
-  ``spec`` (identical specs in one jit are CSE'd by XLA).
-  """
-  _check(q, k, v, spec, sinks)
-  if sinks is not None:
-    sinks = jnp.asarray(sinks)
-  backend = resolve_backend(backend)
-  if backend == "reference":
-    out, lse = _reference.attention(q, k, v, spec, sinks=sinks)
+    Returns out [B, Tq, Hq, D] in q.dtype, and lse [B, Hq, Tq] f32 when ``return_lse``.
+    ``sinks`` [Hq]: per-head attention-sink logits (denominator only). ``backend``: "auto"
+    (Pallas GPU on GPU, Pallas TPU on TPU, blockwise XLA elsewhere), "xla", "gpu", "tpu",
+    "dense" (`kernels.dense`: one [Tq, Tk] mask, input-dtype products with f32 softmax; what the
+    models use for decoding over a KV cache), "reference" (dense, f32 HIGHEST). ``block_q``/``block_k``: tile sizes (defaults in DEFAULT_BLOCKS;
+    GPU: powers of two >= 16, TPU: multiples of 128; shortened for short sequences).
+    ``interpret``: run the Pallas kernels interpreted on CPU: True (GPU: the Pallas
+    interpreter; TPU: TPU interpret mode, ``pltpu.InterpretParams()``), "generic" (TPU: the
+    faster plain Pallas interpreter) or an ``InterpretParams``; ignored by xla/reference.
+    ``num_ranges``: KV-block ranges kept per query block by the schedule (see
+    `kernels.schedule`). Differentiable in q, k, v (and sinks; also through lse).
+    Fully masked rows give out 0 and lse -inf (the sink value with sinks). Rows need not be
+    sorted; COD layouts sorted by (depth, anchor) make the block schedule tight. Sequences
+    are padded to block multiples internally. The schedule is computed inside jit from
+    ``spec`` (identical specs in one jit are CSE'd by XLA).
+    """
+    _check(q, k, v, spec, sinks)
+    if sinks is not None:
+        sinks = jnp.asarray(sinks)
+    backend = resolve_backend(backend)
+    if backend == "dense":
+        out, lse = _dense.attention(
+            q, k, v, spec.dense_mask(), scale=spec.resolved_scale(q.shape[-1]), softcap=spec.softcap, sinks=sinks
+        )
+        return (out, lse) if return_lse else out
+    if backend == "reference":
+        out, lse = _reference.attention(q, k, v, spec, sinks=sinks)
+        return (out, lse) if return_lse else out
+
+    D = q.shape[-1]
+    dq_, dk_ = DEFAULT_BLOCKS[backend]
+    bq = int(block_q or dq_)
+    bk = int(block_k or dk_)
+    Tq, Tk = q.shape[1], k.shape[1]
+    if backend == "gpu":
+        from . import gpu as impl
+
+        bq, bk = impl.fit_blocks(bq, bk, Tq, Tk)
+    elif backend == "tpu":
+        from . import tpu as impl
+
+        bq, bk = impl.fit_blocks(bq, bk, Tq, Tk)
+    else:
+        from . import xla as impl
+
+        bq, bk = min(bq, _ceil_to(Tq, 8)), min(bk, _ceil_to(Tk, 8))
+
+    cfg = C.KernelConfig(
+        scale=spec.resolved_scale(D),
+        softcap=spec.softcap,
+        window=spec.sliding_window,
+        block_q=bq,
+        block_k=bk,
+        interpret=_hashable_interpret(interpret),
+    )
+    qm = (pad_rows(spec.q_anchor, bq, 0), pad_rows(spec.q_depth, bq, 0), pad_rows(spec.q_doc, bq, -1))
+    km = (pad_rows(spec.kv_anchor, bk, 0), pad_rows(spec.kv_depth, bk, 0), pad_rows(spec.kv_doc, bk, -1))
+    sched = build_schedule(qm, km, bq, bk, spec.sliding_window, num_ranges)
+    qp = C.pad_axis(q, 1, bq)
+    kp = C.pad_axis(k, 1, bk)
+    vp = C.pad_axis(v, 1, bk)
+    out, lse = impl.op(cfg, qp, kp, vp, sinks, qm + km, sched)
+    out, lse = out[:, :Tq], lse[:, :, :Tq]
     return (out, lse) if return_lse else out
-
-  D = q.shape[-1]
-  dq_, dk_ = DEFAULT_BLOCKS[backend]
-  bq = int(block_q or dq_)
-  bk = int(block_k or dk_)
-  Tq, Tk = q.shape[1], k.shape[1]
-  if backend == "gpu":
-    from . import gpu as impl
-    bq, bk = impl.fit_blocks(bq, bk, Tq, Tk)
-  elif backend == "tpu":
-    from . import tpu as impl
-    bq, bk = impl.fit_blocks(bq, bk, Tq, Tk)
-  else:
-    from . import xla as impl
-    bq, bk = min(bq, _ceil_to(Tq, 8)), min(bk, _ceil_to(Tk, 8))
-
-  cfg = C.KernelConfig(scale=spec.resolved_scale(D), softcap=spec.softcap,
-                       window=spec.sliding_window, block_q=bq, block_k=bk,
-                       interpret=_hashable_interpret(interpret))
-  qm = (pad_rows(spec.q_anchor, bq, 0), pad_rows(spec.q_depth, bq, 0),
-        pad_rows(spec.q_doc, bq, -1))
-  km = (pad_rows(spec.kv_anchor, bk, 0), pad_rows(spec.kv_depth, bk, 0),
-        pad_rows(spec.kv_doc, bk, -1))
-  sched = build_schedule(qm, km, bq, bk, spec.sliding_window, num_ranges)
-  qp = C.pad_axis(q, 1, bq)
-  kp = C.pad_axis(k, 1, bk)
-  vp = C.pad_axis(v, 1, bk)
-  out, lse = impl.op(cfg, qp, kp, vp, sinks, qm + km, sched)
-  out, lse = out[:, :Tq], lse[:, :, :Tq]
-  return (out, lse) if return_lse else out
 
 
 def _ceil_to(n, m):
-  return -(-n // m) * m
+    return -(-n // m) * m
 
 
 def _hashable_interpret(interpret):
-  try:
-    hash(interpret)
-    return interpret
-  except TypeError:  # pragma: no cover - InterpretParams is a frozen dataclass
-    raise ValueError(f"interpret must be hashable, got {interpret!r}")
+    try:
+        hash(interpret)
+        return interpret
+    except TypeError:  # pragma: no cover - InterpretParams is a frozen dataclass
+        raise ValueError(f"interpret must be hashable, got {interpret!r}") from None

@@ -43,11 +43,12 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import sys
-import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
+
+from peagle_jax.cli import OneLineParser, run
+from peagle_jax.folders import apply_umask_modes, new_sibling, remove_stale_temporaries
 
 __all__ = [
     "ASSETS",
@@ -119,8 +120,10 @@ def _build_gemma3_270m(folder: pathlib.Path, log: Log) -> dict:
     scratch.mkdir()
     t0 = time.perf_counter()
     gguf_path = pathlib.Path(g.assemble(scratch / g.MODEL_NAME))
-    log(f"assembled {gguf_path.name} ({gguf_path.stat().st_size / 2**20:.0f} MiB, "
-        f"sha256 ok) in {time.perf_counter() - t0:.1f}s")
+    log(
+        f"assembled {gguf_path.name} ({gguf_path.stat().st_size / 2**20:.0f} MiB, "
+        f"sha256 ok) in {time.perf_counter() - t0:.1f}s"
+    )
 
     t0 = time.perf_counter()
     major_minor = tuple(int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
@@ -237,39 +240,6 @@ def is_complete(folder: str | os.PathLike, name: str | None = None) -> bool:
     return True
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_stale_builds(parent: pathlib.Path, dest_name: str) -> None:
-    """Remove temp build dirs of ``dest_name`` left by killed processes (pid no longer alive)."""
-    pattern = re.compile(rf"^\.{re.escape(dest_name)}\.tmp-(\d+)-")
-    try:
-        entries = list(parent.iterdir())
-    except OSError:
-        return
-    for entry in entries:
-        m = pattern.match(entry.name)
-        if m and entry.is_dir() and int(m.group(1)) != os.getpid() and not _pid_alive(int(m.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _apply_umask_modes(root: pathlib.Path) -> None:
-    """mkdtemp makes a 0700 directory and some writers make 0600 files; give the finished
-    folder ordinary permissions (0777 / 0666 minus the umask), like any other cache folder."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for path in [root, *root.rglob("*")]:
-        with contextlib.suppress(OSError):
-            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
-
-
 def _stderr_log(msg: str) -> None:
     print(f"[peagle_jax.assets] {msg}", file=sys.stderr, flush=True)
 
@@ -303,17 +273,18 @@ def prepare(name: str, out: str | os.PathLike | None = None, *, log: Log | None 
             raise AssetError(f"output path {dest} exists and is not a directory")
         if any(dest.iterdir()):
             marker = _read_marker(dest)
-            what = (f"an incomplete or different asset ({marker.get('name')!r})"
-                    if isinstance(marker, dict) else "not a prepared asset")
-            raise AssetError(f"output directory {dest} is not empty and is {what}; "
-                             f"remove it or pass another --out")
+            what = (
+                f"an incomplete or different asset ({marker.get('name')!r})"
+                if isinstance(marker, dict)
+                else "not a prepared asset"
+            )
+            raise AssetError(f"output directory {dest} is not empty and is {what}; remove it or pass another --out")
 
     _check_requirements(asset)
     parent = dest.parent
     parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_builds(parent, dest.name)
-
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-{os.getpid()}-", dir=parent))
+    remove_stale_temporaries(dest)
+    tmp = new_sibling(dest, "tmp")
     t_start = time.perf_counter()
     try:
         log(f"preparing {name} in {dest} (building in {tmp.name})")
@@ -323,11 +294,7 @@ def prepare(name: str, out: str | os.PathLike | None = None, *, log: Log | None 
             raise
         except Exception as e:  # one clear line for the CLI; the chain keeps the traceback
             raise AssetError(f"building asset {name!r} failed: {type(e).__name__}: {e}") from e
-        files = {
-            str(p.relative_to(tmp)): p.stat().st_size
-            for p in sorted(tmp.rglob("*"))
-            if p.is_file()
-        }
+        files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
         if not files:
             raise AssetError(f"building asset {name!r} produced no files")
         seconds = round(time.perf_counter() - t_start, 1)
@@ -340,7 +307,7 @@ def prepare(name: str, out: str | os.PathLike | None = None, *, log: Log | None 
             "files": files,
         }
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        _apply_umask_modes(tmp)
+        apply_umask_modes(tmp)
         try:
             if dest.exists():
                 dest.rmdir()  # empty (checked above); a concurrent builder may have filled it
@@ -350,8 +317,9 @@ def prepare(name: str, out: str | os.PathLike | None = None, *, log: Log | None 
                 log(f"{dest} was completed concurrently; discarding this build")
                 return dest
             if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise AssetError(f"output directory {dest} appeared while building and is not "
-                                 f"a finished asset; remove it and retry") from e
+                raise AssetError(
+                    f"output directory {dest} appeared while building and is not a finished asset; remove it and retry"
+                ) from e
             raise AssetError(f"cannot move the finished build to {dest}: {e}") from e
         log(f"prepared {name} in {seconds}s: {dest}")
         return dest
@@ -364,50 +332,35 @@ def prepare(name: str, out: str | os.PathLike | None = None, *, log: Log | None 
 # command line
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse prints usage + message; keep it to one line
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def _parser() -> argparse.ArgumentParser:
     lines = "\n".join(f"  {a.name:<14} {a.description}" for a in ASSETS.values())
-    p = _OneLineParser(
+    p = OneLineParser(
         prog="python -m peagle_jax.assets",
         description="Prepare a real pretrained model as a Hugging Face folder (cached) and print its path.",
-        epilog=(f"assets:\n{lines}\n\nDefault folder: $PEAGLE_JAX_CACHE/NAME if set, else "
-                f"~/.cache/peagle_jax/NAME. Progress goes to stderr; stdout is only the path."),
+        epilog=(
+            f"assets:\n{lines}\n\nDefault folder: $PEAGLE_JAX_CACHE/NAME if set, else "
+            f"~/.cache/peagle_jax/NAME. Progress goes to stderr; stdout is only the path."
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("name", metavar="NAME", help=f"asset to prepare: {', '.join(sorted(ASSETS))}")
-    p.add_argument("--out", metavar="DIR", default=None,
-                   help="folder to create (default: the cache folder described below)")
+    p.add_argument(
+        "--out", metavar="DIR", default=None, help="folder to create (default: the cache folder described below)"
+    )
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    prog = "peagle_jax.assets"
-
-    def _on_sigterm(signum, frame):  # clean up the temp build like Ctrl-C does
-        raise KeyboardInterrupt
-
-    with contextlib.suppress(ValueError):  # ValueError: not the main thread
-        signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        # Libraries may print to stdout while building; keep stdout for the path alone.
-        with contextlib.redirect_stdout(sys.stderr):
-            folder = prepare(args.name, args.out)
-    except KeyboardInterrupt:
-        print(f"{prog}: error: interrupted", file=sys.stderr)
-        return 130
-    except AssetError as e:
-        print(f"{prog}: error: {e}".replace("\n", " "), file=sys.stderr)
-        return 1
-    except Exception as e:
-        print(f"{prog}: error: {type(e).__name__}: {e}".replace("\n", " "), file=sys.stderr)
-        return 1
+def _prepare_and_print(args) -> int:
+    with contextlib.redirect_stdout(sys.stderr):  # libraries may print while building: stdout is the path alone
+        folder = prepare(args.name, args.out)
     print(folder, flush=True)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 ok, 1 the asset could not be prepared, 2 usage, 130 interrupted (the
+    temporary build is removed on Ctrl-C and SIGTERM)."""
+    return run(argv, _parser().parse_args, _prepare_and_print)
 
 
 if __name__ == "__main__":

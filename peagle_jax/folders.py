@@ -14,8 +14,8 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -39,17 +39,66 @@ def check_destination(dest: Path, overwrite: bool, marker: str) -> None:
         raise FileExistsError(f"{dest}: exists and holds no {marker}; refusing to replace it")
 
 
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
+def remove_stale_temporaries(dest: Path) -> list[Path]:
+    """Removes `.NAME.tmp-PID-*` / `.NAME.old-PID-*` siblings of `dest` left by writers that
+    died (killed before they could clean up); a live writer's folders are left alone."""
+    removed = []
+    for kind in ("tmp", "old"):
+        for p in dest.parent.glob(f".{dest.name}.{kind}-*"):
+            pid = p.name[len(f".{dest.name}.{kind}-") :].split("-", 1)[0]
+            if p.is_dir() and (not pid.isdigit() or not _pid_alive(int(pid))):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+def new_sibling(dest: Path, kind: str = "tmp") -> Path:
+    """A fresh `.NAME.KIND-PID-random` folder beside `dest` (the pid lets a later writer tell a
+    dead writer's leftovers from a live one's)."""
+    return Path(tempfile.mkdtemp(prefix=f".{dest.name}.{kind}-{os.getpid()}-", dir=dest.parent))
+
+
+def apply_umask_modes(root: Path) -> None:
+    """Ordinary permissions (0777 / 0666 minus the umask) for a finished folder and everything
+    in it: mkdtemp makes 0700 folders and some writers (orbax, mkstemp) 0600 files, which a
+    server running as another user could not read."""
+    umask = current_umask()
+    for path in [root, *root.rglob("*")]:
+        with contextlib.suppress(OSError):
+            os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_folder(out: str | os.PathLike) -> Iterator[Path]:
     """Yields a fresh temporary folder beside `out`; when the block succeeds it replaces
-    `out` (an existing one is moved aside first, then deleted)."""
+    `out` (an existing one is moved aside first, then deleted). On any error, Ctrl-C or
+    SIGTERM (see `cli.terminate_as_interrupt`) the temporary folder is removed; folders of
+    writers that were killed outright are removed by the next write to the same `out`."""
     dest = Path(out).absolute()
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    remove_stale_temporaries(dest)
+    tmp = new_sibling(dest, "tmp")
     try:
         yield tmp
+        apply_umask_modes(tmp)
         if dest.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
+            old = new_sibling(dest, "old")
             os.rmdir(old)
             os.replace(dest, old)
             os.replace(tmp, dest)
@@ -61,8 +110,26 @@ def atomic_folder(out: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Writes a text file through a temporary sibling and a rename (never half-written), with
+    the umask's ordinary mode (mkstemp alone would leave it 0600)."""
+    path = Path(path).absolute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def parse_size(text: str | int) -> int:
-    """"5GB" -> 5 * 10**9, "2GiB" -> 2 * 2**30, "500KB", "123" (bytes). Like Hugging Face."""
+    """ "5GB" -> 5 * 10**9, "2GiB" -> 2 * 2**30, "500KB", "123" (bytes). Like Hugging Face."""
     if isinstance(text, int):
         value = text
     else:
@@ -128,8 +195,7 @@ def write_hf_folder(
                 name = f"model-{i:05d}-of-{n:05d}.safetensors"
                 save_file({k: tensors[k] for k in keys}, str(tmp / name), metadata={"format": "pt"})
                 weight_map.update({k: name for k in keys})
-            index = {"metadata": {"total_size": sum(nbytes(a) for a in tensors.values())},
-                     "weight_map": weight_map}
+            index = {"metadata": {"total_size": sum(nbytes(a) for a in tensors.values())}, "weight_map": weight_map}
             (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for f in extra_files:

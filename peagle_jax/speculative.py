@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from peagle_jax import cache as kv
+from peagle_jax.models.drafter import draft_to_target
+
 MODES = ("parallel", "chain", "none")
 
 
@@ -47,7 +50,6 @@ class EngineConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
 
 
 class DecodeState(NamedTuple):
@@ -126,8 +128,7 @@ def accept_rejection(
 
 def _draft_ids(drafter, logits: jax.Array) -> jax.Array:
     """Greedy draft ids mapped from the draft vocabulary to target ids."""
-    ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return ids + drafter.d2t[...][ids].astype(jnp.int32)
+    return draft_to_target(drafter.d2t, jnp.argmax(logits, axis=-1))
 
 
 def draft_parallel(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
@@ -141,8 +142,12 @@ def draft_parallel(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
     mask_pos = jnp.where(first_mask_pos > 0, first_mask_pos + jnp.arange(k - 1), -1)
     mask_id = drafter.config.mask_token_id
     g = jnp.concatenate(
-        [drafter.fuse(aux), jnp.broadcast_to(drafter.mask_g(), (b, k - 1, drafter.config.hidden_size))
-         .astype(aux.dtype)], axis=1)
+        [
+            drafter.fuse(aux),
+            jnp.broadcast_to(drafter.mask_g(), (b, k - 1, drafter.config.hidden_size)).astype(aux.dtype),
+        ],
+        axis=1,
+    )
     slot_tokens = jnp.concatenate([tokens, jnp.full((b, k - 1), mask_id, tokens.dtype)], axis=1)
     slot_pos = jnp.concatenate([positions, mask_pos], axis=1)
     out = drafter(slot_tokens, g, slot_pos, cache)
@@ -198,8 +203,7 @@ def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, targ
     idx = jnp.arange(p)[None, :]
     positions = jnp.where(idx < prompt_len[:, None], idx, -1)
     last_slot = jnp.maximum(prompt_len - 1, 0)
-    out = target(prompt, positions, target_cache, aux_layer_ids=cfg.aux_layer_ids,
-                 logits_at=last_slot[:, None])
+    out = target(prompt, positions, target_cache, aux_layer_ids=cfg.aux_layer_ids, logits_at=last_slot[:, None])
     key, sub = jax.random.split(key)
     first = _pick_token(cfg, out.logits[:, 0], sub)
     drafts = jnp.zeros((b, cfg.k), jnp.int32)
@@ -207,8 +211,7 @@ def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, targ
         # slot j holds token x[j+1] with aux of position j; the last real slot holds `first`
         shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
         shifted = jnp.where(idx == (prompt_len - 1)[:, None], first[:, None], shifted)
-        drafts, drafter_cache = draft(cfg, drafter, shifted, out.aux_hidden, positions,
-                                       last_slot, drafter_cache)
+        drafts, drafter_cache = draft(cfg, drafter, shifted, out.aux_hidden, positions, last_slot, drafter_cache)
     state = DecodeState(
         target_cache=out.cache,
         drafter_cache=drafter_cache,
@@ -266,10 +269,10 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
     if cfg.mode != "none":
         # drafter slots: emitted tokens at the positions they follow, with those positions' aux
         draft_pos = jnp.where(valid, positions, -1)
-        drafts, drafter_cache = draft(cfg, drafter, emitted, out.aux_hidden, draft_pos, n,
-                                       state.drafter_cache)
+        drafts, drafter_cache = draft(cfg, drafter, emitted, out.aux_hidden, draft_pos, n, state.drafter_cache)
     hist = state.accept_hist + jnp.sum(
-        jax.nn.one_hot(n, k + 1, dtype=jnp.int32) * active[:, None].astype(jnp.int32), axis=0)
+        jax.nn.one_hot(n, k + 1, dtype=jnp.int32) * active[:, None].astype(jnp.int32), axis=0
+    )
     new = state._replace(
         target_cache=out.cache,
         drafter_cache=drafter_cache,
@@ -287,8 +290,7 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
 
 def generate_loop(cfg: EngineConfig, target, drafter, state: DecodeState) -> DecodeState:
     """Rounds until every row is done (a device-side while loop: no host sync per round)."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done),
-                              lambda s: decode_round(cfg, target, drafter, s), state)
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: decode_round(cfg, target, drafter, s), state)
 
 
 # ---------------------------------------------------------------- jitted entry points
@@ -302,14 +304,32 @@ def _modules(target_def, target_state, drafter_def, drafter_state):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3, 8, 9))
-def jit_prefill(cfg, target_def, target_state, drafter_def, drafter_state, prompt, prompt_len, budget,
-                target_cache_shape, drafter_cache_shape, key) -> DecodeState:
-    """Allocates both caches ((dtype, shape) pairs per layer) and runs `prefill`."""
+def jit_prefill(
+    cfg,
+    target_def,
+    target_state,
+    drafter_def,
+    drafter_state,
+    prompt,
+    prompt_len,
+    budget,
+    target_cache_shape,
+    drafter_cache_shape,
+    key,
+) -> DecodeState:
+    """Allocates both caches (`peagle_jax.cache` specs) and runs `prefill`."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
-    alloc = lambda spec: None if spec is None else tuple(  # noqa: E731
-        (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for dtype, shape in spec)
-    return prefill(cfg, target, drafter, prompt, prompt_len, budget, alloc(target_cache_shape),
-                   alloc(drafter_cache_shape), key)
+    return prefill(
+        cfg,
+        target,
+        drafter,
+        prompt,
+        prompt_len,
+        budget,
+        kv.allocate(target_cache_shape),
+        kv.allocate(drafter_cache_shape),
+        key,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3), donate_argnums=(5,))

@@ -1,10 +1,17 @@
 """Hugging Face safetensors <-> Flax NNX parameters for the target families.
 
-One key-map table per family (`KEY_MAPS`): each row is
-``(hf_key, our_path, transform, condition)`` with ``{i}`` standing for the layer index.
-`transform` is ``"linear"`` (PyTorch ``[out, in]`` weight <-> NNX kernel ``[in, out]``: a
-transpose) or ``"identity"`` (embeddings, norms, biases). `condition` names the config
-flag a row depends on (``None`` = always present).
+Driven by the family key maps (`peagle_jax.models.registry.key_map`, per layer restricted to
+that layer's feed-forward kind by `target_rows`): one row per tensor, ``(hf_key, our_path,
+transform)``, `transform` ``"linear"`` (PyTorch ``[out, in]`` weight <-> NNX kernel ``[in, out]``:
+a transpose), ``"identity"`` (embeddings, norms, biases, GPT-OSS expert stacks) or
+``"experts_linear"`` (Qwen3-MoE: ``{e}`` in the key runs over the experts, each ``[out, in]``
+matrix is transposed and stacked into ``[E, in, out]``).
+
+MXFP4 (the released GPT-OSS checkpoints): an expert stack ``<key>`` may be stored as
+``<key>_blocks`` (uint8 [E, out, in/32, 16], two e2m1 values per byte, low nibble first) and
+``<key>_scales`` (uint8 [E, out, in/32], e8m0 exponents with bias 127, one per group of 32);
+it is dequantised to the compute dtype at load, exactly as transformers'
+`convert_moe_packed_tensors` does (see docs/moe.md for the memory this costs).
 
 Loading reads `model.safetensors` or a sharded `model.safetensors.index.json`, checks
 that every tensor the model needs is there with the right shape, that every tensor in the
@@ -13,7 +20,7 @@ are skipped; a tied model's duplicated ``lm_head.weight`` is accepted when it eq
 embedding) and fills an abstract model built with `nnx.eval_shape`, so the full model is
 never randomly initialised. Errors are `WeightsError` and name the file and key.
 
-Export writes ``config.json`` (`TargetConfig.to_hf`) and ``model.safetensors`` into a
+Export writes ``config.json`` (`registry.hf_config`) and ``model.safetensors`` into a
 temporary folder beside the destination, then renames it into place.
 """
 
@@ -22,26 +29,28 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from peagle_jax.config import TargetConfig
+from peagle_jax.dtypes import numpy_dtype
 from peagle_jax.folders import INDEX_FILE, SINGLE_FILE, write_hf_folder
+from peagle_jax.models.registry import hf_config, key_map
+
+# e2m1 code -> value (transformers.integrations.mxfp4.FP4_VALUES)
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
+MXFP4_GROUP = 32
+MXFP4_SCALE_BIAS = 127
 
 # Hugging Face buffers that may appear in old checkpoints and are not parameters.
 IGNORED_KEYS = (re.compile(r"(^|\.)rotary_emb\.(inv_freq|original_inv_freq)$"), re.compile(r"\.embed_scale$"))
-DTYPES = {
-    "float32": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "f32": jnp.float32,
-    "bf16": jnp.bfloat16,
-}
 _FLOAT_SAFETENSORS = {"F64", "F32", "F16", "BF16"}
 
 
@@ -49,85 +58,11 @@ class WeightsError(ValueError):
     """A checkpoint that cannot be used; the message names the file and key."""
 
 
-# ---------------------------------------------------------------------------------------
-# key maps: (hf_key, our_path, transform, condition)
-_ATTN = [
-    (f"model.layers.{{i}}.self_attn.{p}_proj.weight", f"layers.{{i}}.self_attn.{p}_proj.kernel", "linear", None)
-    for p in "qkvo"
-] + [
-    (f"model.layers.{{i}}.self_attn.{p}_proj.bias", f"layers.{{i}}.self_attn.{p}_proj.bias", "identity",
-     "attention_bias")
-    for p in "qkvo"
-]
-_MLP = [
-    (f"model.layers.{{i}}.mlp.{p}_proj.weight", f"layers.{{i}}.mlp.{p}_proj.kernel", "linear", None)
-    for p in ("gate", "up", "down")
-] + [
-    (f"model.layers.{{i}}.mlp.{p}_proj.bias", f"layers.{{i}}.mlp.{p}_proj.bias", "identity", "mlp_bias")
-    for p in ("gate", "up", "down")
-]
-_NORMS = [
-    (f"model.layers.{{i}}.{n}.weight", f"layers.{{i}}.{n}.weight", "identity", None)
-    for n in ("input_layernorm", "post_attention_layernorm")
-]
-_QK_NORM = [
-    (f"model.layers.{{i}}.self_attn.{n}.weight", f"layers.{{i}}.self_attn.{n}.weight", "identity", None)
-    for n in ("q_norm", "k_norm")
-]
-_SANDWICH = [
-    (f"model.layers.{{i}}.{n}.weight", f"layers.{{i}}.{n}.weight", "identity", None)
-    for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-]
-_TOP = [
-    ("model.embed_tokens.weight", "embed_tokens.embedding", "identity", None),
-    ("model.norm.weight", "norm.weight", "identity", None),
-    ("lm_head.weight", "lm_head.kernel", "linear", "untied"),
-]
-KEY_MAPS: dict[str, list[tuple[str, str, str, str | None]]] = {
-    "llama": _TOP + _NORMS + _ATTN + _MLP,
-    "qwen3": _TOP + _NORMS + _ATTN + _QK_NORM + _MLP,
-    "gemma3": _TOP + _NORMS + _SANDWICH + _ATTN + _QK_NORM + _MLP,
-}
 TIED_LM_HEAD = "lm_head.weight"
-
-
-def _condition(cfg: TargetConfig, cond: str | None) -> bool:
-    if cond is None:
-        return True
-    if cond == "untied":
-        return not cfg.tie_word_embeddings
-    return bool(getattr(cfg, cond))
-
-
-def key_map(cfg: TargetConfig) -> list[tuple[str, tuple, str]]:
-    """The expanded table for `cfg`: (hf_key, our path tuple, transform), one row per tensor."""
-    if cfg.model_type not in KEY_MAPS:
-        raise WeightsError(f"no weight key map for model_type {cfg.model_type!r}")
-    rows = []
-    for hf, ours, transform, cond in KEY_MAPS[cfg.model_type]:
-        if not _condition(cfg, cond):
-            continue
-        layers = range(cfg.num_layers) if "{i}" in hf else [None]
-        for i in layers:
-            h = hf.format(i=i) if i is not None else hf
-            o = ours.format(i=i) if i is not None else ours
-            rows.append((h, tuple(int(p) if p.isdigit() else p for p in o.split(".")), transform))
-    return rows
 
 
 def _to_hf_shape(shape: tuple, transform: str) -> tuple:
     return tuple(reversed(shape)) if transform == "linear" else tuple(shape)
-
-
-def resolve_dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"unsupported dtype {dtype!r} (supported: float32, bfloat16)")
-        return jnp.dtype(DTYPES[dtype])
-    d = jnp.dtype(dtype)
-    if d not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
-        raise ValueError(f"unsupported dtype {d} (supported: float32, bfloat16)")
-    return d
 
 
 # ---------------------------------------------------------------------------------------
@@ -194,17 +129,11 @@ class Checkpoint:
             raise WeightsError(f"{self.where[key]}: cannot read tensor {key!r} ({err})") from None
 
 
-def _set_path(tree: dict, path: tuple, value) -> None:
-    for p in path[:-1]:
-        tree = tree[p]
-    tree[path[-1]] = value
-
-
 def abstract_model(cfg: TargetConfig, dtype="float32"):
     """(graphdef, abstract state) of the target Decoder: shapes only, nothing allocated."""
     from peagle_jax.models.decoder import Decoder
 
-    d = resolve_dtype(dtype)
+    d = numpy_dtype(dtype)
     model = nnx.eval_shape(lambda: Decoder(cfg, dtype=d, param_dtype=d, rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
@@ -213,29 +142,61 @@ def _flat_params(state) -> dict[tuple, object]:
     return {tuple(path): var for path, var in nnx.to_flat_state(state)}
 
 
+def target_rows(cfg: TargetConfig) -> list[tuple[str, tuple, str]]:
+    """`registry.key_map(cfg)` with, in each layer, only the feed-forward rows of that layer's kind
+    (dense MLP or router + experts: Qwen3-MoE mixes them through `mlp_only_layers`)."""
+
+    def applies(ours: tuple) -> bool:
+        if len(ours) < 4 or ours[0] != "layers" or ours[2] != "mlp":
+            return True
+        return (ours[3] in ("router", "experts")) == cfg.is_moe_layer(ours[1])
+
+    return [row for row in key_map(cfg) if applies(row[1])]
+
+
+def expert_keys(hf_key: str, cfg: TargetConfig) -> list[str]:
+    """The per-expert keys of an "experts_linear" row."""
+    return [hf_key.format(e=e) for e in range(cfg.num_experts)]
+
+
 def load_params(folder: str | os.PathLike, cfg: TargetConfig, dtype="float32"):
     """Reads the folder's safetensors into (graphdef, state) of the target Decoder.
 
     Every tensor of the key map must be present with its shape; every tensor of the
-    checkpoint must be consumed. Values are cast to `dtype` (float32 or bfloat16).
+    checkpoint must be consumed. Values are cast to `dtype` (float32 or bfloat16); MXFP4
+    expert stacks are dequantised to it.
     """
-    d = resolve_dtype(dtype)
-    np_dtype = np.float32 if d == jnp.float32 else ml_dtypes.bfloat16
+    np_dtype = numpy_dtype(dtype)
     ckpt = Checkpoint(folder)
-    graphdef, abstract = abstract_model(cfg, d)
+    graphdef, abstract = abstract_model(cfg, np_dtype)
     flat = _flat_params(abstract)
-    rows = key_map(cfg)
+    rows = target_rows(cfg)
     covered = {ours for _, ours, _ in rows}
     if covered != set(flat):  # the table and the module tree must agree (a bug, not bad input)
         raise AssertionError(f"key map / model mismatch: {sorted(set(flat) ^ covered)}")
 
     values: dict[tuple, jax.Array] = {}
+    consumed = set()
     for hf_key, ours, transform in rows:
-        if hf_key not in ckpt.where:
+        if transform == "experts_linear":
+            keys = expert_keys(hf_key, cfg)
+            for key in keys:
+                if key not in ckpt.where:
+                    raise WeightsError(f"{ckpt.folder}: missing tensor {key!r} (model_type {cfg.model_type!r})")
+            e, fin, fout = flat[ours].shape
+            values[ours] = jnp.asarray(
+                np.stack([np.asarray(_read_checked(ckpt, key, (fin, fout), "linear", np_dtype)) for key in keys])
+            )
+            consumed.update(keys)
+        elif hf_key not in ckpt.where and f"{hf_key}_blocks" in ckpt.where:
+            values[ours] = _read_mxfp4(ckpt, hf_key, flat[ours].shape, np_dtype)
+            consumed.update((f"{hf_key}_blocks", f"{hf_key}_scales"))
+        elif hf_key not in ckpt.where:
             raise WeightsError(f"{ckpt.folder}: missing tensor {hf_key!r} (model_type {cfg.model_type!r})")
-        values[ours] = _read_checked(ckpt, hf_key, flat[ours].shape, transform, np_dtype)
+        else:
+            values[ours] = _read_checked(ckpt, hf_key, flat[ours].shape, transform, np_dtype)
+            consumed.add(hf_key)
 
-    consumed = {hf for hf, _, _ in rows}
     for key in ckpt.keys():
         if key in consumed or any(p.search(key) for p in IGNORED_KEYS):
             continue
@@ -250,10 +211,7 @@ def load_params(folder: str | os.PathLike, cfg: TargetConfig, dtype="float32"):
             continue
         raise WeightsError(f"{ckpt.where[key]}: unexpected tensor {key!r} (model_type {cfg.model_type!r})")
 
-    state = abstract
-    for path, var in flat.items():
-        _set_path(state, path, var.replace(values[path]) if hasattr(var, "replace") else values[path])
-    return graphdef, state
+    return graphdef, nnx.from_flat_state([(path, var.replace(values[path])) for path, var in flat.items()])
 
 
 def _read_checked(ckpt: Checkpoint, key: str, our_shape: tuple, transform: str, np_dtype) -> jax.Array:
@@ -270,22 +228,66 @@ def _read_checked(ckpt: Checkpoint, key: str, our_shape: tuple, transform: str, 
     return jnp.asarray(np.ascontiguousarray(arr, dtype=np_dtype))
 
 
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype=np.float32) -> np.ndarray:
+    """MXFP4 blocks [..., R, G, 16] uint8 + scales [..., R, G] uint8 -> [..., G * 32, R] in `dtype`.
+
+    transformers' `convert_moe_packed_tensors`: byte j of a group holds values 2j (low nibble)
+    and 2j + 1 (high nibble), each an e2m1 code; the group's value is times 2**(scale - 127);
+    the last two axes are then swapped (stored [out, in], used [in, out]). Exact in bfloat16.
+    """
+    blocks = np.asarray(blocks, np.uint8)
+    exps = np.asarray(scales).astype(np.int32) - MXFP4_SCALE_BIAS
+    vals = np.stack([FP4_VALUES[blocks & 0x0F], FP4_VALUES[blocks >> 4]], axis=-1)  # [..., R, G, 16, 2]
+    vals = np.ldexp(vals.reshape(*blocks.shape[:-1], 2 * blocks.shape[-1]), exps[..., None])
+    out = vals.reshape(*blocks.shape[:-2], -1)  # [..., R, G * 32]
+    return np.ascontiguousarray(np.swapaxes(out, -1, -2)).astype(dtype)
+
+
+def _read_mxfp4(ckpt: Checkpoint, key: str, our_shape: tuple, np_dtype) -> jax.Array:
+    """The expert stack `key` [E, in, out] from `key`_blocks / `key`_scales (checked), one expert at a time."""
+    bkey, skey = f"{key}_blocks", f"{key}_scales"
+    if skey not in ckpt.where:
+        raise WeightsError(f"{ckpt.where[bkey]}: MXFP4 tensor {bkey!r} has no {skey!r}")
+    e, fin, fout = our_shape
+    if fin % MXFP4_GROUP:
+        raise WeightsError(
+            f"{ckpt.where[bkey]}: MXFP4 tensor {bkey!r}: input width {fin} is not a multiple of {MXFP4_GROUP}"
+        )
+    groups = fin // MXFP4_GROUP
+    for k, want in ((bkey, (e, fout, groups, MXFP4_GROUP // 2)), (skey, (e, fout, groups))):
+        got = ckpt.shape(k)
+        if got != want:
+            raise WeightsError(f"{ckpt.where[k]}: MXFP4 tensor {k!r} has shape {list(got)}, expected {list(want)}")
+        if ckpt.dtype(k) != "U8":
+            raise WeightsError(f"{ckpt.where[k]}: MXFP4 tensor {k!r} has dtype {ckpt.dtype(k)}, expected U8")
+    blocks, scales = ckpt.read(bkey), ckpt.read(skey)
+    out = np.empty(our_shape, np_dtype)
+    for i in range(e):  # one expert at a time: the float32 intermediate stays one expert large
+        out[i] = dequantize_mxfp4(blocks[i], scales[i], np_dtype)
+    return jnp.asarray(out)
+
+
 # ---------------------------------------------------------------------------------------
 # writing
-def hf_tensors(cfg: TargetConfig, state) -> dict[str, np.ndarray]:
+def target_tensors(cfg: TargetConfig, state) -> dict[str, np.ndarray]:
     """The state as Hugging Face tensors {key: numpy array [out, in]}, in its own dtype."""
     flat = _flat_params(state)
     out = {}
-    for hf_key, ours, transform in key_map(cfg):
+    for hf_key, ours, transform in target_rows(cfg):
         var = flat[ours]
         arr = np.asarray(jax.device_get(var[...] if isinstance(var, nnx.Variable) else var))
+        if transform == "experts_linear":
+            for e, key in enumerate(expert_keys(hf_key, cfg)):
+                out[key] = np.ascontiguousarray(arr[e].T)
+            continue
         out[hf_key] = np.ascontiguousarray(arr.T if transform == "linear" else arr)
     return out
 
 
-def _dtype_name(tensors: dict[str, np.ndarray]) -> str:
+def tensors_dtype_name(tensors: dict[str, np.ndarray]) -> str:
+    """The `dtype` a config.json records for these tensors: bfloat16 when all are, else float32."""
     kinds = {a.dtype for a in tensors.values()}
-    return "bfloat16" if kinds == {np.dtype(ml_dtypes.bfloat16)} else "float32"
+    return "bfloat16" if kinds == {numpy_dtype("bfloat16")} else "float32"
 
 
 def export_target(
@@ -302,7 +304,7 @@ def export_target(
     (e.g. tokenizer files) are copied in too. An existing `path` is replaced only with
     `overwrite=True`.
     """
-    tensors = hf_tensors(cfg, state)
-    config = cfg.to_hf()
-    config["dtype"] = _dtype_name(tensors)
+    tensors = target_tensors(cfg, state)
+    config = hf_config(cfg)
+    config["dtype"] = tensors_dtype_name(tensors)
     return write_hf_folder(path, config, tensors, overwrite=overwrite, extra_files=list(extra_files))

@@ -13,6 +13,17 @@ import numpy as np
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, HEAD_DIM = 96, 64, 80, 3, 4, 16
 GEMMA_WINDOW = 5
+GPT_OSS_WINDOW = 4
+EXPERTS, TOP_K, MOE_INTER = 8, 3, 32  # several experts per token, all of them used (tests/test_moe.py)
+YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=8.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    original_max_position_embeddings=64,
+    truncate=False,
+)
 
 # name -> (family, overrides)
 SPECS = {
@@ -23,15 +34,22 @@ SPECS = {
             num_key_value_heads=2,
             tie_word_embeddings=True,
             rope_parameters=dict(
-                rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
-                high_freq_factor=4.0, original_max_position_embeddings=16,
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
             ),
         ),
     ),
     "llama-gqa4-untied-linear": (
         "llama",
-        dict(num_key_value_heads=1, tie_word_embeddings=False,
-             rope_parameters=dict(rope_type="linear", rope_theta=500.0, factor=4.0)),
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="linear", rope_theta=500.0, factor=4.0),
+        ),
     ),
     "llama-bias": ("llama", dict(num_key_value_heads=2, attention_bias=True, mlp_bias=True)),
     "qwen3": ("qwen3", dict(num_key_value_heads=2, tie_word_embeddings=False)),
@@ -50,6 +68,34 @@ SPECS = {
             },
         ),
     ),
+    # MoE families: a dense layer among sparse ones (mlp_only_layers), softmax-then-top-k routing
+    "qwen3_moe": (
+        "qwen3_moe",
+        dict(
+            num_key_value_heads=2,
+            num_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            moe_intermediate_size=MOE_INTER,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+    # sinks, biases, sliding window 4 on even layers, yarn, top-k-then-softmax routing; a low swiglu
+    # limit so the clamps bind on these small activations; intermediate_size is the expert width
+    "gpt_oss": (
+        "gpt_oss",
+        dict(
+            num_key_value_heads=2,
+            num_local_experts=EXPERTS,
+            num_experts_per_tok=TOP_K,
+            intermediate_size=MOE_INTER,
+            sliding_window=GPT_OSS_WINDOW,
+            rope_parameters=YARN,
+            swiglu_limit=1.5,
+        ),
+    ),
 }
 
 
@@ -57,9 +103,17 @@ def _hf_config(family: str, overrides: dict):
     import transformers
 
     common = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, head_dim=HEAD_DIM, max_position_embeddings=128,
-        initializer_range=0.15, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=128,
+        initializer_range=0.15,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
         rms_norm_eps=1e-6,
     )
     common.update(overrides)
@@ -67,6 +121,8 @@ def _hf_config(family: str, overrides: dict):
         "llama": transformers.LlamaConfig,
         "qwen3": transformers.Qwen3Config,
         "gemma3": transformers.Gemma3TextConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "gpt_oss": transformers.GptOssConfig,
     }[family]
     if family == "gemma3":
         common.setdefault("tie_word_embeddings", True)
@@ -87,6 +143,8 @@ def build(kind: str, folder: str | Path | None = None, seed: int = 0, **save_kwa
         "llama": transformers.LlamaForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "gemma3": transformers.Gemma3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "gpt_oss": transformers.GptOssForCausalLM,
     }[family]
     torch.manual_seed(seed)
     model = cls(cfg).eval().float()
@@ -96,7 +154,7 @@ def build(kind: str, folder: str | Path | None = None, seed: int = 0, **save_kwa
             if "norm" in name:  # offsets differ per family; randomise around the identity
                 base = 0.0 if family == "gemma3" else 1.0
                 p.copy_(base + 0.5 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias")):  # GPT-OSS expert biases end "_bias"
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
     if folder is not None:
         model.save_pretrained(str(folder), **save_kwargs)

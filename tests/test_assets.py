@@ -20,7 +20,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 def _run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "peagle_jax.assets", *args],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
 
 
@@ -201,10 +205,9 @@ def test_gemma3_270m_folder_loads_in_transformers():
         logits = model(**ids).logits[0, -1]
         top5 = [tok.decode(int(i)) for i in torch.topk(logits, 5).indices]
         assert " Paris" in top5, top5
-        natural = tok("The quick brown fox jumps over the lazy dog. It was a sunny day.",
-                      return_tensors="pt").input_ids
+        natural = tok("The quick brown fox jumps over the lazy dog. It was a sunny day.", return_tensors="pt").input_ids
         assert model(natural, labels=natural).loss.item() < 4.0
         code = tok("def fibonacci(n):", return_tensors="pt")
         out = model.generate(**code, max_new_tokens=12, do_sample=False)
-        text = tok.decode(out[0, code.input_ids.shape[1]:])
+        text = tok.decode(out[0, code.input_ids.shape[1] :])
         assert "if n" in text or "return" in text, text

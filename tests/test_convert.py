@@ -1,94 +1,55 @@
 """The converter CLI (`python -m peagle_jax.convert`): round trips ours <-> vLLM / speculators
 (bit-exact in f32, exact after one bf16 cast), sharding, hand-built vLLM / speculators folders of
-each variant, `inspect` problems (one test each), bad input (one `error:` line, exit 1 / 2, nothing
-left behind) and the target HF round trip. Tiny shapes, CPU only.
+each variant, what the exports hold for vLLM 0.33 (no id maps in a full-vocabulary head, layer flags
+inside transformer_layer_config, the printed serve command), bad input (one `error:` line, exit 1 / 2,
+nothing left behind) and the target HF round trip. Tiny shapes, CPU only. The lint is test_inspect.py.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
-import ml_dtypes
 import numpy as np
 import pytest
+from head_folders import (
+    BF16,
+    HD,
+    HEADS,
+    INTER,
+    KV,
+    MASK_KEYS,
+    H,
+    V,
+    bf16_round,
+    expected_state,
+    folder_tensors,
+    hand_tensors,
+    listing,
+    one_error_line,
+    random_drafter,
+    run,
+    same_arrays,
+    speculators_cfg,
+    vllm_config,
+    write_folder,
+    write_target_config,
+)
 from safetensors.numpy import load_file, save_file
 
 from peagle_jax.config import RopeConfig
-from peagle_jax.convert import INDEX_FILE, main, parse_size
-from peagle_jax.drafter import Drafter, DrafterConfig, abstract_drafter, flat_state, load_drafter, state_from_arrays
+from peagle_jax.convert import INDEX_FILE, parse_size
+from peagle_jax.drafter import load_drafter
 
-V, H, L_DRAFT = 64, 32, 2
-HEADS, KV, HD, INTER = 4, 2, 8, 48
-MASK_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")
-BF16 = np.dtype(ml_dtypes.bfloat16)
 REPO = Path(__file__).resolve().parents[1]
 
 
 def _hf_tiny():
     import hf_tiny
+
     return hf_tiny
-
-
-# ---------------------------------------------------------------------------------------
-# helpers
-def random_drafter(num_layers=L_DRAFT, vd=40, mode="parallel", seed=0, **kw) -> Drafter:
-    base = dict(hidden_size=H, target_hidden_size=H, num_layers=num_layers, num_heads=HEADS, num_kv_heads=KV,
-                head_dim=HD, intermediate_size=INTER, vocab_size=V, draft_vocab_size=vd, max_position_embeddings=64,
-                mode=mode, mask_token_id=V - 3 if mode == "parallel" else None, aux_layer_ids=(1, 3, 5), k_train=6,
-                target_model_type="llama", verifier=None)
-    base.update(kw)
-    cfg = DrafterConfig(**base)
-    rng = np.random.default_rng(seed)
-    arrays = {}
-    for path, var in flat_state(abstract_drafter(cfg)[1]).items():
-        if path == ("d2t",):
-            used = np.sort(rng.choice(V, vd, replace=False)) if vd < V else np.arange(V)
-            arrays[path] = (used - np.arange(vd)).astype(np.int32)
-        else:
-            arrays[path] = rng.standard_normal(var.shape).astype(np.float32)
-    graphdef, state = state_from_arrays(cfg, arrays)
-    return Drafter(cfg, graphdef, state)
-
-
-def run(capsys, *argv) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
-
-
-def listing(folder: Path) -> list[str]:
-    return sorted(os.listdir(folder))
-
-
-def same_arrays(a: dict, b: dict) -> None:
-    assert set(a) == set(b)
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
-
-
-def folder_tensors(folder: Path) -> dict[str, np.ndarray]:
-    index = folder / INDEX_FILE
-    if index.exists():
-        out = {}
-        for name in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-            out.update(load_file(str(folder / name)))
-        return out
-    return load_file(str(folder / "model.safetensors"))
-
-
-def bf16_round(arrays: dict) -> dict:
-    return {k: v if v.dtype.kind == "i" else v.astype(BF16).astype(np.float32) for k, v in arrays.items()}
 
 
 @pytest.fixture(scope="module")
@@ -141,32 +102,49 @@ def test_vllm_export_layout(own, tmp_path, capsys):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
     assert all(cfg[k] == V - 3 for k in MASK_KEYS)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
-    assert cfg["eagle_config"] == {"use_aux_hidden_state": True, "norm_before_fc": False,
-                                   "eagle_aux_hidden_state_layer_ids": [1, 3, 5]}
+    assert cfg["eagle_config"] == {
+        "use_aux_hidden_state": True,
+        "norm_before_fc": False,
+        "eagle_aux_hidden_state_layer_ids": [1, 3, 5],
+    }
     assert cfg["draft_vocab_size"] == 40 and cfg["vocab_size"] == V and cfg["target_hidden_size"] == H
     assert cfg["tie_word_embeddings"] is False and cfg["norm_before_residual"] is False
     assert cfg["max_position_embeddings"] == 64 and cfg["num_hidden_layers"] == 2 and cfg["head_dim"] == HD
     t = folder_tensors(tmp_path / "x")
     want = {
-        "embed_tokens.weight": [V, H], "fc.weight": [H, 3 * H], "norm.weight": [H], "lm_head.weight": [40, H],
-        "d2t": [40], "t2d": [V], "mask_hidden": [1, 1, 3 * H],
-        "midlayer.input_layernorm.weight": [H], "midlayer.hidden_norm.weight": [H],
+        "embed_tokens.weight": [V, H],
+        "fc.weight": [H, 3 * H],
+        "norm.weight": [H],
+        "lm_head.weight": [40, H],
+        "d2t": [40],
+        "t2d": [V],
+        "mask_hidden": [1, 1, 3 * H],
+        "midlayer.input_layernorm.weight": [H],
+        "midlayer.hidden_norm.weight": [H],
         "midlayer.post_attention_layernorm.weight": [H],
-        "midlayer.self_attn.q_proj.weight": [HEADS * HD, 2 * H], "midlayer.self_attn.k_proj.weight": [KV * HD, 2 * H],
-        "midlayer.self_attn.v_proj.weight": [KV * HD, 2 * H], "midlayer.self_attn.o_proj.weight": [H, HEADS * HD],
-        "midlayer.mlp.gate_proj.weight": [INTER, H], "midlayer.mlp.up_proj.weight": [INTER, H],
+        "midlayer.self_attn.q_proj.weight": [HEADS * HD, 2 * H],
+        "midlayer.self_attn.k_proj.weight": [KV * HD, 2 * H],
+        "midlayer.self_attn.v_proj.weight": [KV * HD, 2 * H],
+        "midlayer.self_attn.o_proj.weight": [H, HEADS * HD],
+        "midlayer.mlp.gate_proj.weight": [INTER, H],
+        "midlayer.mlp.up_proj.weight": [INTER, H],
         "midlayer.mlp.down_proj.weight": [H, INTER],
-        "layers.1.input_layernorm.weight": [H], "layers.1.post_attention_layernorm.weight": [H],
-        "layers.1.self_attn.q_proj.weight": [HEADS * HD, H], "layers.1.self_attn.k_proj.weight": [KV * HD, H],
-        "layers.1.self_attn.v_proj.weight": [KV * HD, H], "layers.1.self_attn.o_proj.weight": [H, HEADS * HD],
-        "layers.1.mlp.gate_proj.weight": [INTER, H], "layers.1.mlp.up_proj.weight": [INTER, H],
+        "layers.1.input_layernorm.weight": [H],
+        "layers.1.post_attention_layernorm.weight": [H],
+        "layers.1.self_attn.q_proj.weight": [HEADS * HD, H],
+        "layers.1.self_attn.k_proj.weight": [KV * HD, H],
+        "layers.1.self_attn.v_proj.weight": [KV * HD, H],
+        "layers.1.self_attn.o_proj.weight": [H, HEADS * HD],
+        "layers.1.mlp.gate_proj.weight": [INTER, H],
+        "layers.1.mlp.up_proj.weight": [INTER, H],
         "layers.1.mlp.down_proj.weight": [H, INTER],
     }
     assert {k: list(v.shape) for k, v in t.items()} == want
     np.testing.assert_array_equal(t["d2t"], d.d2t)
     np.testing.assert_array_equal(t["t2d"], d.t2d)
-    np.testing.assert_array_equal(t["fc.weight"].astype(np.float32),
-                                  d.arrays()[("fc", "kernel")].T.astype(BF16).astype(np.float32))
+    np.testing.assert_array_equal(
+        t["fc.weight"].astype(np.float32), d.arrays()[("fc", "kernel")].T.astype(BF16).astype(np.float32)
+    )
 
 
 def test_speculators_export_layout(own, tmp_path, capsys):
@@ -189,12 +167,18 @@ def test_speculators_export_layout(own, tmp_path, capsys):
 def test_subprocess_cli(own, tmp_path):
     src, d = own
     cmd = [sys.executable, "-m", "peagle_jax.convert"]
-    res = subprocess.run(cmd + ["export", str(src), str(tmp_path / "x"), "--format", "vllm"], capture_output=True,
-                         text=True, cwd=REPO, timeout=120)
+    res = subprocess.run(
+        cmd + ["export", str(src), str(tmp_path / "x"), "--format", "vllm"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert "wrote" in res.stdout and "error" not in res.stderr and "warning" not in res.stderr
-    res = subprocess.run(cmd + ["inspect", str(tmp_path / "x"), "--json"], capture_output=True, text=True,
-                         cwd=REPO, timeout=120)
+    res = subprocess.run(
+        cmd + ["inspect", str(tmp_path / "x"), "--json"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
     assert report["format"] == "vllm" and report["problems"] == []
@@ -222,8 +206,9 @@ def test_parse_size():
 def test_sharded_export_reads_back(fmt, own, tmp_path, capsys):
     src, d = own
     limit = 16_000
-    rc, _, err = run(capsys, "export", src, tmp_path / "x", "--format", fmt, "--dtype", "float32",
-                     "--max-shard-size", "16KB")
+    rc, _, err = run(
+        capsys, "export", src, tmp_path / "x", "--format", fmt, "--dtype", "float32", "--max-shard-size", "16KB"
+    )
     assert rc == 0, err
     files = listing(tmp_path / "x")
     shards = [f for f in files if f.endswith(".safetensors")]
@@ -263,15 +248,6 @@ def test_existing_output_needs_overwrite(own, tmp_path, capsys):
     assert listing(tmp_path) == ["back", "other", "x"]
 
 
-def write_target_config(folder: Path, **kw) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=H, num_hidden_layers=8,
-               vocab_size=V, max_position_embeddings=4096, intermediate_size=64, num_attention_heads=4)
-    cfg.update(kw)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
 def test_export_with_target(own, tmp_path, capsys):
     src, _ = own
     tgt = write_target_config(tmp_path / "target")
@@ -289,135 +265,61 @@ def test_export_with_target(own, tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------------
 # hand-built folders (keys written literally, as section 6 lists them)
-def hand_tensors(*, layer0="midlayer.", num_layers=2, bias=False, vd=V, ht=H, n_aux=3, seed=0, dtype=np.float32,
-                 mask_hidden=True, embed=True, qk_norm=False):
-    rng = np.random.default_rng(seed)
-
-    def r(*shape):
-        return rng.standard_normal(shape).astype(dtype)
-
-    t = {"fc.weight": r(H, n_aux * ht), "norm.weight": r(H), "lm_head.weight": r(vd, H)}
-    if embed:
-        t["embed_tokens.weight"] = r(V, H)
-    if mask_hidden:
-        t["mask_hidden"] = r(1, 1, n_aux * ht)
-    if vd < V:
-        used = np.sort(rng.choice(V, vd, replace=False))
-        t["d2t"] = used - np.arange(vd, dtype=np.int64)
-        t["t2d"] = np.zeros(V, bool)
-        t["t2d"][used] = True
-    for i in range(num_layers):
-        p = layer0 if i == 0 else f"layers.{i}."
-        din = 2 * H if i == 0 else H
-        t[p + "input_layernorm.weight"] = r(H)
-        t[p + "post_attention_layernorm.weight"] = r(H)
-        if i == 0:
-            t[p + "hidden_norm.weight"] = r(H)
-        for name, rows, cols in (("q", HEADS * HD, din), ("k", KV * HD, din), ("v", KV * HD, din),
-                                 ("o", H, HEADS * HD)):
-            t[f"{p}self_attn.{name}_proj.weight"] = r(rows, cols)
-            if bias:
-                t[f"{p}self_attn.{name}_proj.bias"] = r(rows)
-        if qk_norm:
-            t[p + "self_attn.q_norm.weight"] = r(HD)
-            t[p + "self_attn.k_norm.weight"] = r(HD)
-        t[p + "mlp.gate_proj.weight"] = r(INTER, H)
-        t[p + "mlp.up_proj.weight"] = r(INTER, H)
-        t[p + "mlp.down_proj.weight"] = r(H, INTER)
-    return t
-
-
-def llama_fields(num_layers=2, **kw):
-    out = dict(hidden_size=H, intermediate_size=INTER, num_hidden_layers=num_layers, num_attention_heads=HEADS,
-               num_key_value_heads=KV, head_dim=HD, rms_norm_eps=1e-5, rope_theta=10000.0,
-               max_position_embeddings=64, vocab_size=V, hidden_act="silu", tie_word_embeddings=False)
-    out.update(kw)
-    return out
-
-
-def vllm_config(num_layers=2, vd=V, ht=H, mask_keys=MASK_KEYS, mask_id=V - 3, aux=(1, 3, 5), aux_where="both",
-                **kw):
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", **llama_fields(num_layers),
-           "draft_vocab_size": vd, "target_hidden_size": ht, "eagle_config": {"use_aux_hidden_state": True}}
-    if aux is not None:
-        if aux_where in ("both", "top"):
-            cfg["eagle_aux_hidden_state_layer_ids"] = list(aux)
-        if aux_where in ("both", "inner"):
-            cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = list(aux)
-    for k in mask_keys:
-        cfg[k] = mask_id
-    cfg.update(kw)
-    return cfg
-
-
-def speculators_cfg(kind="peagle", num_layers=2, vd=V, mask_id=V - 3, verifier="org/target", tl_type="llama",
-                    **kw):
-    cfg = {"architectures": ["PEagleDraftModel" if kind == "peagle" else "Eagle3DraftModel"],
-           "speculators_model_type": kind, "speculators_version": "0.9.0",
-           "transformer_layer_config": {"model_type": tl_type, **llama_fields(num_layers)},
-           "draft_vocab_size": vd, "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": [1, 3, 5],
-           "speculators_config": {"algorithm": kind, "default_proposal_method": "greedy",
-                                  "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],
-                                  "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}}}
-    if kind == "peagle":
-        cfg["mask_token_id"] = mask_id
-    cfg.update(kw)
-    return cfg
-
-
-def write_folder(folder: Path, config: dict, tensors: dict) -> Path:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(folder / "model.safetensors"))
-    return folder
-
-
-_LINEAR = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "fc", "lm_head"}
-
-
-def expected_state(tensors: dict) -> dict:
-    """Our state path -> value, derived from the checkpoint key alone ([out, in] -> kernel [in, out])."""
-    out = {}
-    for key, arr in tensors.items():
-        if key == "t2d":
-            continue
-        parts = tuple(int(p) if p.isdigit() else p for p in key.replace("midlayer.", "layers.0.").split("."))
-        arr = np.asarray(arr)
-        if key == "d2t":
-            out[parts] = arr.astype(np.int32)
-        elif key == "mask_hidden":
-            out[parts] = arr.astype(np.float32)
-        elif parts[-1] == "weight" and parts[-2] in _LINEAR:
-            out[parts[:-1] + ("kernel",)] = arr.T.astype(np.float32)
-        elif parts[-2] == "embed_tokens":
-            out[parts[:-1] + ("embedding",)] = arr.astype(np.float32)
-        else:
-            out[parts] = arr.astype(np.float32)
-    return out
-
-
 VARIANTS = {
     # name: (format, tensor kwargs, config kwargs, expected config fields)
-    "vllm-midlayer-draftvocab": ("vllm", dict(vd=40), dict(vd=40),
-                                 dict(mode="parallel", draft_vocab_size=40, mask_token_id=V - 3)),
-    "vllm-layers0-fullvocab-ptd-only": ("vllm", dict(layer0="layers.0."),
-                                        dict(mask_keys=("ptd_token_id",), aux_where="inner"),
-                                        dict(mode="parallel", draft_vocab_size=V, aux_layer_ids=(1, 3, 5))),
-    "vllm-bias-bf16-llama3-rope": ("vllm", dict(bias=True, num_layers=1, dtype=BF16),
-                                   dict(num_layers=1, attention_bias=True, mask_keys=("pard_token",),
-                                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                      "high_freq_factor": 4.0,
-                                                      "original_max_position_embeddings": 16}),
-                                   dict(attention_bias=True, num_layers=1,
-                                        rope=RopeConfig(10000.0, "llama3", 8.0, 1.0, 4.0, 16))),
-    "vllm-eagle3-chain": ("vllm", dict(mask_hidden=False), dict(mask_keys=(), norm_before_residual=True),
-                          dict(mode="chain", mask_token_id=None, norm_before_residual=True)),
-    "speculators-peagle": ("speculators", dict(layer0="layers.0.", vd=40), dict(vd=40),
-                           dict(mode="parallel", k_train=5, verifier="org/target", norm_before_residual=False)),
-    "speculators-eagle3": ("speculators", dict(layer0="layers.0.", mask_hidden=False), dict(kind="eagle3"),
-                           dict(mode="chain", norm_before_residual=True)),  # speculators' eagle3 default
-    "speculators-qwen3": ("speculators", dict(layer0="layers.0.", qk_norm=True), dict(tl_type="qwen3"),
-                          dict(qk_norm=True)),
+    "vllm-midlayer-draftvocab": (
+        "vllm",
+        dict(vd=40),
+        dict(vd=40),
+        dict(mode="parallel", draft_vocab_size=40, mask_token_id=V - 3),
+    ),
+    "vllm-layers0-fullvocab-ptd-only": (
+        "vllm",
+        dict(layer0="layers.0."),
+        dict(mask_keys=("ptd_token_id",), aux_where="inner"),
+        dict(mode="parallel", draft_vocab_size=V, aux_layer_ids=(1, 3, 5)),
+    ),
+    "vllm-bias-bf16-llama3-rope": (
+        "vllm",
+        dict(bias=True, num_layers=1, dtype=BF16),
+        dict(
+            num_layers=1,
+            attention_bias=True,
+            mask_keys=("pard_token",),
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        ),
+        dict(attention_bias=True, num_layers=1, rope=RopeConfig(10000.0, "llama3", 8.0, 1.0, 4.0, 16)),
+    ),
+    "vllm-eagle3-chain": (
+        "vllm",
+        dict(mask_hidden=False),
+        dict(mask_keys=(), norm_before_residual=True),
+        dict(mode="chain", mask_token_id=None, norm_before_residual=True),
+    ),
+    "speculators-peagle": (
+        "speculators",
+        dict(layer0="layers.0.", vd=40),
+        dict(vd=40),
+        dict(mode="parallel", k_train=5, verifier="org/target", norm_before_residual=False),
+    ),
+    "speculators-eagle3": (
+        "speculators",
+        dict(layer0="layers.0.", mask_hidden=False),
+        dict(kind="eagle3"),
+        dict(mode="chain", norm_before_residual=True),
+    ),  # speculators' eagle3 default
+    "speculators-qwen3": (
+        "speculators",
+        dict(layer0="layers.0.", qk_norm=True),
+        dict(tl_type="qwen3"),
+        dict(qk_norm=True),
+    ),
 }
 
 
@@ -449,123 +351,92 @@ def test_hand_built_folder_imports(variant, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------
-# inspect: one test per problem
-def inspect_json(capsys, folder, *extra):
-    rc, out, err = run(capsys, "inspect", folder, "--json", *extra)
-    assert err == "", err
-    return rc, json.loads(out)
+# what vLLM 0.33 loads (issue 14)
+def serve_spec(out: str) -> tuple[dict, str]:
+    """(the --speculative-config dict, the rest of the line) of the printed serve command."""
+    line = next(x for x in out.splitlines() if x.startswith("serve: "))
+    head, spec, tail = line.split("'")
+    assert head == "serve: vllm serve TARGET --speculative-config ", line
+    return json.loads(spec), tail
 
 
-def problems_of(capsys, folder, *extra) -> str:
-    rc, report = inspect_json(capsys, folder, *extra)
-    assert rc == 1 and report["problems"]
-    rc_text, text, _ = run(capsys, "inspect", folder, *extra)
-    assert rc_text == 1 and "problem(s)" in text
-    return " | ".join(report["problems"])
+def test_vllm_export_full_vocab_has_no_id_maps(tmp_path, capsys):
+    """vLLM creates no draft_id_to_target_id parameter when Vd == V and refuses a d2t tensor."""
+    d = random_drafter(vd=V)
+    d.save(tmp_path / "own")
+    for fmt in ("vllm", "speculators"):
+        rc, _, err = run(capsys, "export", tmp_path / "own", tmp_path / fmt, "--format", fmt)
+        assert rc == 0, err
+        keys = set(folder_tensors(tmp_path / fmt))
+        assert "d2t" not in keys and "t2d" not in keys and "lm_head.weight" in keys, fmt
+        assert run(capsys, "import", tmp_path / fmt, tmp_path / f"back-{fmt}")[0] == 0
+        back = load_drafter(tmp_path / f"back-{fmt}")
+        assert back.config == d.config and not back.d2t.any()
 
 
-def test_inspect_clean_folder_reports_what_it_is(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(vd=40, peagle_jax={"k_train": 10}), hand_tensors(vd=40))
-    rc, r = inspect_json(capsys, src)
-    assert rc == 0 and r["problems"] == [] and r["warnings"] == []
-    assert (r["format"], r["mode"], r["num_layers"], r["vocab_size"], r["draft_vocab_size"]) == \
-        ("vllm", "parallel", 2, V, 40)
-    assert r["mask_token_id"] == V - 3 and r["mask_token_keys"] == sorted(MASK_KEYS)
-    assert r["aux_layer_ids"] == [1, 3, 5] and r["k_hints"] == {"k_train": 10}
-    assert r["layer0_prefix"] == "midlayer."
-    rc, text, _ = run(capsys, "inspect", src)
-    assert rc == 0 and "OK: no problems" in text and "num_speculative_tokens <= 10" in text
+def test_speculators_export_writes_layer_flags_in_the_layer_config(tmp_path, capsys):
+    """vLLM's peagle translation forwards neither fc_norm nor norm_output from the top level: they
+    must be inside transformer_layer_config, which vLLM builds the head from."""
+    d = random_drafter(fc_norm=True, norm_output=True)
+    d.save(tmp_path / "own")
+    assert run(capsys, "export", tmp_path / "own", tmp_path / "x", "--format", "speculators")[0] == 0
+    cfg = json.loads((tmp_path / "x/config.json").read_text())
+    assert cfg["transformer_layer_config"]["fc_norm"] is True and cfg["transformer_layer_config"]["norm_output"] is True
+    assert cfg["fc_norm"] is True and cfg["norm_output"] is True  # speculators reads the top level
+    assert {f"fc_norm.{j}.weight" for j in range(3)} <= set(folder_tensors(tmp_path / "x"))
+    assert run(capsys, "import", tmp_path / "x", tmp_path / "back")[0] == 0
+    back = load_drafter(tmp_path / "back")
+    assert back.config == d.config
+    same_arrays(back.arrays(), bf16_round(d.arrays()))
 
 
-def test_inspect_missing_mask_hidden(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(), hand_tensors(mask_hidden=False))
-    assert "missing tensor 'mask_hidden'" in problems_of(capsys, src)
-    rc, _, err = run(capsys, "import", src, tmp_path / "o")  # import refuses it too
-    assert rc == 1 and "'mask_hidden'" in one_error_line(err)
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+@pytest.mark.parametrize(
+    "mode, k_train, want_k", [("parallel", 6, 6), ("parallel", 10, 7), ("parallel", None, 7), ("chain", 3, 3)]
+)
+def test_export_prints_the_serve_command(fmt, mode, k_train, want_k, tmp_path, capsys):
+    """One command for both formats: method eagle3 (a speculators folder without it becomes a plain
+    draft model in vLLM), K = the trained depth capped at 7, parallel_drafting for P-EAGLE heads."""
+    random_drafter(mode=mode, k_train=k_train).save(tmp_path / "own")
+    rc, out, err = run(capsys, "export", tmp_path / "own", tmp_path / "x", "--format", fmt)
+    assert rc == 0, err
+    spec, tail = serve_spec(out)
+    want = {"method": "eagle3", "model": str((tmp_path / "x").absolute()), "num_speculative_tokens": want_k}
+    if mode == "parallel":
+        want["parallel_drafting"] = True
+    assert spec == want and tail == ""
 
 
-def test_inspect_missing_embed_tokens(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(), hand_tensors(embed=False))
-    assert "missing tensor 'embed_tokens.weight'" in problems_of(capsys, src)
+def test_export_for_a_target_without_aux_capture(tmp_path, capsys):
+    """vLLM 0.33's native gemma3 model captures no aux hidden states: the command adds
+    --model-impl transformers."""
+    random_drafter(target_model_type="gemma3").save(tmp_path / "own")
+    rc, out, err = run(capsys, "export", tmp_path / "own", tmp_path / "x", "--format", "vllm")
+    assert rc == 0, err
+    assert serve_spec(out)[1] == " --model-impl transformers"
 
 
-def test_inspect_hidden_differs_from_target_hidden(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(ht=24), hand_tensors(ht=24))
-    p = problems_of(capsys, src)
-    assert "hidden_size 32 != target_hidden_size 24" in p and "shape" not in p  # the shapes themselves are fine
-
-
-def test_inspect_not_three_aux_layers(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(aux=(1, 2, 4, 6)), hand_tensors(n_aux=4))
-    assert "lists 4 layers" in problems_of(capsys, src)
-
-
-def test_inspect_mask_id_out_of_range(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(mask_id=V + 5), hand_tensors())
-    assert f"mask token id {V + 5}" in problems_of(capsys, src)
-
-
-def test_inspect_max_position_below_target(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(), hand_tensors())
-    tgt = write_target_config(tmp_path / "target", max_position_embeddings=4096)
-    assert run(capsys, "inspect", src)[0] == 0  # no target known: nothing to compare
-    p = problems_of(capsys, src, "--target", tgt)
-    assert "max_position_embeddings 64 < the target's 4096" in p
-
-
-def test_inspect_max_position_below_speculators_verifier(tmp_path, capsys):
-    """The target found through the speculators verifier path (relative to the folder)."""
-    write_target_config(tmp_path / "target", max_position_embeddings=4096)
-    src = write_folder(tmp_path / "h", speculators_cfg(verifier="../target"), hand_tensors(layer0="layers.0."))
-    p = problems_of(capsys, src)
-    assert "max_position_embeddings 64 < the target's 4096" in p
-    _, r = inspect_json(capsys, src)
-    assert r["target"]["path"] == str((tmp_path / "target").resolve())
-
-
-def test_inspect_target_mismatches(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(aux=(1, 3, 9)), hand_tensors())
-    tgt = write_target_config(tmp_path / "t", hidden_size=48, vocab_size=128, num_hidden_layers=8,
-                              max_position_embeddings=64)
-    p = problems_of(capsys, src, "--target", tgt)
-    assert "target_hidden_size 32 != the target's hidden_size 48" in p
-    assert "vocab_size 64 != the target's vocab_size 128" in p
-    assert "outside the target's 8 layers" in p
-
-
-def test_inspect_shape_and_key_problems(tmp_path, capsys):
-    t = hand_tensors(vd=40)
-    t["lm_head.weight"] = t["lm_head.weight"][:30]
-    t["extra.weight"] = np.zeros(3, np.float32)
-    del t["layers.1.mlp.up_proj.weight"]
-    src = write_folder(tmp_path / "h", vllm_config(vd=40), t)
-    p = problems_of(capsys, src)
-    assert "'lm_head.weight' has shape [30, 32], expected [40, 32]" in p
-    assert "missing tensor 'layers.1.mlp.up_proj.weight'" in p and "'extra.weight'" in p
-
-
-def test_inspect_warns_on_partial_mask_keys(tmp_path, capsys):
-    src = write_folder(tmp_path / "h", vllm_config(mask_keys=("mask_token_id",), aux=None), hand_tensors())
-    rc, r = inspect_json(capsys, src)
-    assert rc == 0
-    assert any("different vLLM releases" in w for w in r["warnings"])
-    assert any("falls back to (2, L//2, L-3)" in w for w in r["warnings"])
-
-
-def test_inspect_own_checkpoint(own, capsys):
-    src, _ = own
-    rc, r = inspect_json(capsys, src)
-    assert rc == 0 and r["format"] == "own" and r["draft_vocab_size"] == 40 and r["k_hints"] == {"k_train": 6}
+def test_export_verifier_is_recorded(own, tmp_path, capsys):
+    src, d = own
+    for fmt in ("vllm", "speculators"):
+        rc, _, err = run(capsys, "export", src, tmp_path / fmt, "--format", fmt, "--verifier", "org/target")
+        assert rc == 0 and "warning" not in err, err
+        assert run(capsys, "import", tmp_path / fmt, tmp_path / f"back-{fmt}")[0] == 0
+        assert load_drafter(tmp_path / f"back-{fmt}").config.verifier == "org/target", fmt
+    cfg = json.loads((tmp_path / "speculators/config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "org/target"
 
 
 # ---------------------------------------------------------------------------------------
-# bad input: one line on stderr naming the file / key, exit 1 (2 for usage), nothing left behind
+# bad input: one line on stderr naming the file / key, exit 1 (2 for usage, and for an inspect that
+# could not run), nothing left behind
 @pytest.fixture
 def good_src(tmp_path):
     return write_folder(tmp_path / "src", vllm_config(vd=40), hand_tensors(vd=40))
 
 
-def expect_failure(capsys, tmp_path, argv, code=1, names=()):
+def expect_failure(capsys, tmp_path, argv, code=None, names=()):
+    code = (2 if argv[0] == "inspect" else 1) if code is None else code
     before = listing(tmp_path)
     rc, _, err = run(capsys, *argv)
     line = one_error_line(err)
@@ -611,18 +482,25 @@ def test_unknown_architecture(good_src, tmp_path, capsys):
     cfg = json.loads((good_src / "config.json").read_text())
     cfg["architectures"] = ["FooForCausalLM"]
     (good_src / "config.json").write_text(json.dumps(cfg))
-    for argv in (["import", good_src, tmp_path / "out"], ["inspect", good_src],
-                 ["export", good_src, tmp_path / "out", "--format", "vllm"]):
+    for argv in (
+        ["import", good_src, tmp_path / "out"],
+        ["inspect", good_src],
+        ["export", good_src, tmp_path / "out", "--format", "vllm"],
+    ):
         expect_failure(capsys, tmp_path, argv, names=["architectures", "FooForCausalLM"])
 
 
 def test_nonexistent_paths(own, tmp_path, capsys):
     src, _ = own
     missing = tmp_path / "missing"
-    for argv in (["import", missing, tmp_path / "out"], ["inspect", missing],
-                 ["export", missing, tmp_path / "out", "--format", "vllm"],
-                 ["export-target", missing, tmp_path / "out"], ["import-target", missing, tmp_path / "out"],
-                 ["inspect", src, "--target", missing]):
+    for argv in (
+        ["import", missing, tmp_path / "out"],
+        ["inspect", missing],
+        ["export", missing, tmp_path / "out", "--format", "vllm"],
+        ["export-target", missing, tmp_path / "out"],
+        ["import-target", missing, tmp_path / "out"],
+        ["inspect", src, "--target", missing],
+    ):
         expect_failure(capsys, tmp_path, argv, names=["missing"])
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -636,15 +514,23 @@ def test_broken_own_checkpoint(own, tmp_path, capsys):
     broken = tmp_path / "broken"
     shutil.copytree(src, broken)
     (broken / "drafter.json").write_text("{not json")
-    expect_failure(capsys, tmp_path, ["export", broken, tmp_path / "out", "--format", "vllm"],
-                   names=["drafter.json"])
+    expect_failure(capsys, tmp_path, ["export", broken, tmp_path / "out", "--format", "vllm"], names=["drafter.json"])
 
 
-@pytest.mark.parametrize("argv", [
-    [], ["export"], ["export", "a", "b"], ["export", "a", "b", "--format", "gguf"],
-    ["export", "a", "b", "--format", "vllm", "--max-shard-size", "lots"], ["import", "a"],
-    ["inspect"], ["frobnicate"], ["export-target", "a", "b", "--dtype", "int8"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["export"],
+        ["export", "a", "b"],
+        ["export", "a", "b", "--format", "gguf"],
+        ["export", "a", "b", "--format", "vllm", "--max-shard-size", "lots"],
+        ["import", "a"],
+        ["inspect"],
+        ["frobnicate"],
+        ["export-target", "a", "b", "--dtype", "int8"],
+    ],
+)
 def test_usage_errors_exit_2(argv, tmp_path, capsys):
     expect_failure(capsys, tmp_path, argv, code=2)
 
@@ -673,8 +559,11 @@ def test_target_roundtrip(hf_llama, tmp_path, capsys):
     assert INDEX_FILE in files and sum(f.endswith(".safetensors") for f in files) >= 2
     original = load_file(str(src / "model.safetensors"))
     same_arrays(folder_tensors(tmp_path / "hf"), original)  # bit-exact, every key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
-                                                                 attn_implementation="eager").eval().float()
+    reloaded = (
+        transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), attn_implementation="eager")
+        .eval()
+        .float()
+    )
     ids = hf_tiny.tokens(1, 9, seed=3)
     with torch.no_grad():
         a = model(torch.as_tensor(ids, dtype=torch.long)).logits
@@ -725,9 +614,16 @@ def test_import_chain_head_without_embeddings_takes_the_targets(tmp_path, capsys
     import torch
     import transformers
 
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2,
-                                   num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HD,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=INTER,
+        num_hidden_layers=2,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV,
+        head_dim=HD,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "target"))
     capsys.readouterr()  # its progress bar

@@ -14,23 +14,22 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from peagle_jax.config import RopeConfig
-from peagle_jax.drafter import (
-    Drafter,
-    DrafterConfig,
+from peagle_jax import cache as kv
+from peagle_jax.config import DrafterConfig, RopeConfig
+from peagle_jax.drafter import Drafter, load_drafter, new_drafter
+from peagle_jax.drafter_io import export_speculators, export_vllm
+from peagle_jax.models.drafter import (
     cod_rows_forward,
     draft_to_target,
-    init_drafter_cache,
-    load_drafter,
-    new_drafter,
     peagle_mask,
     select_draft_vocab,
     state_from_arrays,
 )
-from peagle_jax.drafter_io import export_speculators, export_vllm
+
 
 def _hf_tiny():
     import hf_tiny
+
     return hf_tiny
 
 
@@ -39,9 +38,19 @@ needs_target = pytest.mark.skipif(not HAVE_TARGET, reason="peagle_jax.target (lo
 
 V, H, T = 64, 32, 8
 BASE = DrafterConfig(
-    hidden_size=H, target_hidden_size=H, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8,
-    intermediate_size=48, vocab_size=V, draft_vocab_size=40, mask_token_id=V - 1, aux_layer_ids=(1, 2, 3),
-    k_train=4, max_position_embeddings=64,
+    hidden_size=H,
+    target_hidden_size=H,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    vocab_size=V,
+    draft_vocab_size=40,
+    mask_token_id=V - 1,
+    aux_layer_ids=(1, 2, 3),
+    k_train=4,
+    max_position_embeddings=64,
 )
 DRAFT_IDS = np.sort(np.random.default_rng(0).choice(V, 40, replace=False))
 FLAGS = {
@@ -49,20 +58,30 @@ FLAGS = {
     "norm_before_fc": dict(norm_before_fc=True),
     "fc_norm": dict(fc_norm=True),
     "attention_bias": dict(attention_bias=True),
-    "llama3_rope": dict(rope=RopeConfig(theta=10000.0, type="llama3", factor=8.0, low_freq_factor=1.0,
-                                        high_freq_factor=4.0, original_max_position_embeddings=16)),
+    "llama3_rope": dict(
+        rope=RopeConfig(
+            theta=10000.0,
+            type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+        )
+    ),
     "qk_norm": dict(qk_norm=True),
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def perturbed(config: DrafterConfig, seed: int = 0) -> Drafter:
     """A random head with every float parameter noised (norm weights != 1, biases != 0),
     so each flag matters numerically."""
     d = Drafter.random(config, seed, draft_ids=DRAFT_IDS if config.draft_vocab_size < V else None)
     rng = np.random.default_rng(seed + 1)
-    arrays = {p: (a + 0.2 * rng.standard_normal(a.shape).astype(a.dtype)) if a.dtype.kind == "f" else a
-              for p, a in d.arrays().items()}
+    arrays = {
+        p: (a + 0.2 * rng.standard_normal(a.shape).astype(a.dtype)) if a.dtype.kind == "f" else a
+        for p, a in d.arrays().items()
+    }
     graphdef, state = state_from_arrays(config, arrays)
     return Drafter(config, graphdef, state)
 
@@ -175,7 +194,7 @@ def test_cache_equals_no_cache():
     tokens, aux, pos = inputs(BASE, t=12)
     g = d.fuse(aux)
     full = d.apply(tokens, g, pos)
-    cache = init_drafter_cache(BASE, 1, 16)
+    cache = kv.init(BASE, 1, 16)
     logits, hidden = [], []
     for lo, hi in [(0, 6), (6, 12)]:
         out = d.apply(tokens[:, lo:hi], g[:, lo:hi], pos[:, lo:hi], cache)
@@ -188,7 +207,7 @@ def test_cache_equals_no_cache():
     tokens2 = jnp.concatenate([tokens, tokens], 0)
     g2 = jnp.concatenate([g, g], 0)
     pos2 = jnp.stack([pos[0], jnp.where(pos[0] < 7, pos[0], -1)])
-    out2 = d.apply(tokens2, g2, pos2, init_drafter_cache(BASE, 2, 16))
+    out2 = d.apply(tokens2, g2, pos2, kv.init(BASE, 2, 16))
     assert float(jnp.abs(out2.logits[0] - full.logits[0]).max()) < 1e-5
     assert float(jnp.abs(out2.logits[1, :7] - full.logits[0, :7]).max()) < 1e-5  # causal: a prefix
     assert float(jnp.abs(out2.cache[0][0][1, 7:]).max()) == 0.0
@@ -203,7 +222,7 @@ def test_chain_mode_feeds_prenorm_back():
         m.mask_g()
     tokens, aux, pos = inputs(cfg)
     g = d.fuse(aux)
-    out = d.apply(tokens, g, pos, init_drafter_cache(cfg, 1, 16))
+    out = d.apply(tokens, g, pos, kv.init(cfg, 1, 16))
     seq_tok, seq_g = [tokens], [g]
     hidden, cache = out.prenorm[:, -1:], out.cache
     draft = draft_to_target(m.d2t, jnp.argmax(out.logits[:, -1:], -1))
@@ -234,8 +253,9 @@ def test_cod_rows_match_the_inference_layout():
     anchor = jnp.asarray([list(range(T)) + [3, 3, 5]], jnp.int32)
     depth = jnp.asarray([[0] * T + [1, 2, 1]], jnp.int32)
     ref = jnp.minimum(anchor + depth, T - 1)
-    rows_logits = _cod_jit(d.graphdef, d.state, tokens[:, ref[0]], aux[:, ref[0]], anchor, depth,
-                           jnp.zeros_like(anchor))
+    rows_logits = _cod_jit(
+        d.graphdef, d.state, tokens[:, ref[0]], aux[:, ref[0]], anchor, depth, jnp.zeros_like(anchor)
+    )
     assert float(jnp.abs(rows_logits[:, :T] - d.apply(tokens, d.fuse(aux), pos).logits).max()) < 1e-5
     # the single-pass layouts, one per COD row, batched and right-padded (position -1)
     cases = [(3, 1), (3, 2), (5, 1)]
@@ -244,10 +264,12 @@ def test_cod_rows_match_the_inference_layout():
     slot_tok, slot_g, slot_pos = [], [], []
     for a, k in cases:
         n = a + 1 + k
-        slot_tok.append(jnp.pad(jnp.concatenate([tokens[0, : a + 1], jnp.full((k,), BASE.mask_token_id)]),
-                                (0, width - n)))
-        slot_g.append(jnp.pad(jnp.concatenate([g_real[: a + 1], jnp.broadcast_to(g_mask, (k, H))]),
-                              ((0, width - n), (0, 0))))
+        slot_tok.append(
+            jnp.pad(jnp.concatenate([tokens[0, : a + 1], jnp.full((k,), BASE.mask_token_id)]), (0, width - n))
+        )
+        slot_g.append(
+            jnp.pad(jnp.concatenate([g_real[: a + 1], jnp.broadcast_to(g_mask, (k, H))]), ((0, width - n), (0, 0)))
+        )
         slot_pos.append(jnp.where(jnp.arange(width) < n, jnp.arange(width), -1))
     slots = d.apply(jnp.stack(slot_tok).astype(jnp.int32), jnp.stack(slot_g), jnp.stack(slot_pos)).logits
     for i, (a, k) in enumerate(cases):
@@ -279,7 +301,12 @@ def test_new_drafter_from_target(tiny_target, tmp_path):
     d = new_drafter(target, num_layers=2, draft_vocab=24, token_counts=counts, seed=1, fc_norm=True)
     c = d.config
     assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size) == (
-        tc.hidden_size, tc.num_heads, tc.num_kv_heads, tc.head_dim, tc.intermediate_size)
+        tc.hidden_size,
+        tc.num_heads,
+        tc.num_kv_heads,
+        tc.head_dim,
+        tc.intermediate_size,
+    )
     assert c.rope == tc.rope and c.max_position_embeddings == tc.max_position_embeddings
     assert c.aux_layer_ids == target.aux_layer_ids and c.k_train == 8 and c.fc_norm
     assert c.mask_token_id == tc.vocab_size - 1  # no pad token: the last id
@@ -311,8 +338,10 @@ def test_new_drafter_gemma_target(tmp_path):
     d = new_drafter(target)
     tm = nnx.merge(target.graphdef, target.state)
     emb = np.asarray(tm.embed_tokens.embedding[...])
-    np.testing.assert_allclose(np.asarray(d.model.embed_tokens.embedding[...]), emb * target.config.embed_scale,
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(d.model.embed_tokens.embedding[...]), emb * target.config.embed_scale, rtol=1e-6
+    )
     np.testing.assert_array_equal(np.asarray(d.model.lm_head.kernel[...]), emb.T)  # tied
     assert d.config.hidden_act == "silu" and d.config.mask_token_id == (
-        target.config.pad_token_id if target.config.pad_token_id is not None else target.config.vocab_size - 1)
+        target.config.pad_token_id if target.config.pad_token_id is not None else target.config.vocab_size - 1
+    )

@@ -1,5 +1,5 @@
 """Importing drafter folders built by hand in the vLLM-native and speculators layouts
-(reference/peagle.md section 6), and clear errors on bad input."""
+(reference/peagle.md section 6), clear errors on bad input, and what the exports hold."""
 
 from __future__ import annotations
 
@@ -8,17 +8,27 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
+from paths import VECTORS
 from safetensors.numpy import save_file
 
 from peagle_jax.config import ConfigError
 from peagle_jax.drafter import load_drafter
-from peagle_jax.drafter_io import DrafterIOError, detect_format, export_speculators, export_vllm
-from paths import VECTORS
+from peagle_jax.drafter_io import (
+    DrafterIOError,
+    check_tensors,
+    checkpoint_tensors,
+    detect_format,
+    export_speculators,
+    export_vllm,
+    read_drafter,
+    read_vllm_config,
+    vllm_tensors,
+)
 
-V, H, HEADS, KV, HD, I, N = 48, 32, 4, 2, 8, 40, 2
+V, H, HEADS, KV, HD, INTER, N = 48, 32, 4, 2, 8, 40, 2
 GOLDEN = VECTORS / "drafter-speculators"
 
 
@@ -33,17 +43,19 @@ def hand_tensors(layer0="midlayer", bias=False, vd=V, seed=0, parallel=True):
     for i in range(N):
         p = f"{layer0}." if i == 0 else f"layers.{i}."
         inp = 2 * H if i == 0 else H
-        t.update({
-            p + "input_layernorm.weight": 1 + r(H),
-            p + "post_attention_layernorm.weight": 1 + r(H),
-            p + "self_attn.q_proj.weight": r(HEADS * HD, inp),
-            p + "self_attn.k_proj.weight": r(KV * HD, inp),
-            p + "self_attn.v_proj.weight": r(KV * HD, inp),
-            p + "self_attn.o_proj.weight": r(H, HEADS * HD),
-            p + "mlp.gate_proj.weight": r(I, H),
-            p + "mlp.up_proj.weight": r(I, H),
-            p + "mlp.down_proj.weight": r(H, I),
-        })
+        t.update(
+            {
+                p + "input_layernorm.weight": 1 + r(H),
+                p + "post_attention_layernorm.weight": 1 + r(H),
+                p + "self_attn.q_proj.weight": r(HEADS * HD, inp),
+                p + "self_attn.k_proj.weight": r(KV * HD, inp),
+                p + "self_attn.v_proj.weight": r(KV * HD, inp),
+                p + "self_attn.o_proj.weight": r(H, HEADS * HD),
+                p + "mlp.gate_proj.weight": r(INTER, H),
+                p + "mlp.up_proj.weight": r(INTER, H),
+                p + "mlp.down_proj.weight": r(H, INTER),
+            }
+        )
         if i == 0:
             t[p + "hidden_norm.weight"] = 1 + r(H)
         if bias:
@@ -61,13 +73,30 @@ def hand_tensors(layer0="midlayer", bias=False, vd=V, seed=0, parallel=True):
 
 def vllm_config(vd=V, bias=False, **extra):
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
-        "intermediate_size": I, "num_hidden_layers": N, "num_attention_heads": HEADS, "num_key_value_heads": KV,
-        "head_dim": HD, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 64},
-        "max_position_embeddings": 256, "tie_word_embeddings": False, "vocab_size": V, "draft_vocab_size": vd,
-        "target_hidden_size": H, "norm_before_residual": False, "attention_bias": bias,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": INTER,
+        "num_hidden_layers": N,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV,
+        "head_dim": HD,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "vocab_size": V,
+        "draft_vocab_size": vd,
+        "target_hidden_size": H,
+        "norm_before_residual": False,
+        "attention_bias": bias,
         "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [1, 3, 5]},
         "pard_token": V - 2,
     }
@@ -86,11 +115,13 @@ def check_params(d, t, layer0):
     m = d.model
     np.testing.assert_array_equal(np.asarray(m.embed_tokens.embedding[...]), t["embed_tokens.weight"])
     np.testing.assert_array_equal(np.asarray(m.fc.kernel[...]), t["fc.weight"].T)
-    np.testing.assert_array_equal(np.asarray(m.layers[0].self_attn.k_proj.kernel[...]),
-                                  t[f"{layer0}.self_attn.k_proj.weight"].T)
+    np.testing.assert_array_equal(
+        np.asarray(m.layers[0].self_attn.k_proj.kernel[...]), t[f"{layer0}.self_attn.k_proj.weight"].T
+    )
     np.testing.assert_array_equal(np.asarray(m.layers[0].hidden_norm.weight[...]), t[f"{layer0}.hidden_norm.weight"])
-    np.testing.assert_array_equal(np.asarray(m.layers[1].mlp.down_proj.kernel[...]),
-                                  t["layers.1.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(
+        np.asarray(m.layers[1].mlp.down_proj.kernel[...]), t["layers.1.mlp.down_proj.weight"].T
+    )
     np.testing.assert_array_equal(np.asarray(m.lm_head.kernel[...]), t["lm_head.weight"].T)
     np.testing.assert_array_equal(np.asarray(m.mask_hidden[...]), t["mask_hidden"])
     np.testing.assert_array_equal(d.d2t, t["d2t"])
@@ -138,8 +169,12 @@ def test_vllm_attention_bias(tmp_path):
 
 def test_vllm_variants(tmp_path):
     # top-level aux ids and mask id, norm_before_fc inside eagle_config, full vocab without d2t/t2d
-    cfg = vllm_config(eagle_config={"use_aux_hidden_state": True, "norm_before_fc": True},
-                      eagle_aux_hidden_state_layer_ids=[0, 2, 4], mask_token_id=7, pard_token=None)
+    cfg = vllm_config(
+        eagle_config={"use_aux_hidden_state": True, "norm_before_fc": True},
+        eagle_aux_hidden_state_layer_ids=[0, 2, 4],
+        mask_token_id=7,
+        pard_token=None,
+    )
     t = hand_tensors()
     t["input_norm.weight"] = np.ones(3 * H, np.float32)
     del t["d2t"], t["t2d"]
@@ -172,13 +207,31 @@ def test_golden_speculators_exports(tmp_path):
 def test_speculators_eagle3_defaults(tmp_path):
     """An eagle3 speculators config without norm_before_residual: vLLM reads it as true."""
     cfg = {
-        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "draft_vocab_size": V,
-        "transformer_layer_config": {k: v for k, v in vllm_config().items() if k in (
-            "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings")} | {"model_type": "llama"},
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "draft_vocab_size": V,
+        "transformer_layer_config": {
+            k: v
+            for k, v in vllm_config().items()
+            if k
+            in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "head_dim",
+                "rms_norm_eps",
+                "vocab_size",
+                "max_position_embeddings",
+            )
+        }
+        | {"model_type": "llama"},
         "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
-        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"proposal_type": "greedy",
-                                                                           "speculative_tokens": 3}]},
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+        },
     }
     t = {k: v for k, v in hand_tensors("layers.0").items() if k not in ("mask_hidden", "d2t", "t2d")}
     d = load_drafter(write(tmp_path / "e3", cfg, t))
@@ -189,18 +242,8 @@ def test_speculators_eagle3_defaults(tmp_path):
     with pytest.raises(DrafterIOError, match="target="):
         load_drafter(tmp_path / "e3-noembed")
 
-    class Emb(nnx.Module):
-        def __init__(self, e):
-            self.embedding = nnx.Param(jnp.asarray(e))
-
-    class Fake(nnx.Module):
-        def __init__(self, e):
-            self.embed_tokens = Emb(e)
-
     emb = np.random.default_rng(5).standard_normal((V, H)).astype(np.float32)
-    graphdef, state = nnx.split(Fake(emb))
-    target = SimpleNamespace(config=SimpleNamespace(tie_word_embeddings=True, embed_scale=1.0),
-                             graphdef=graphdef, state=state)
+    target = SimpleNamespace(embedding_arrays=lambda: (emb, emb))  # what load_drafter uses of a Target
     d = load_drafter(tmp_path / "e3-noembed", target=target)
     np.testing.assert_array_equal(np.asarray(d.model.embed_tokens.embedding[...]), emb)
 
@@ -285,3 +328,87 @@ def test_error_other_bad_input(tmp_path):
         load_drafter(_bad(tmp_path, config=spec, name="spec2"))
     with pytest.raises(FileNotFoundError):
         load_drafter(tmp_path / "nowhere")
+
+
+# ---------------------------------------------------------------------------------------
+# the import keeps the file's dtype; the shared tensor check; full-vocabulary exports
+def test_import_keeps_the_file_dtype(tmp_path):
+    """A bf16 file stays bf16 in host memory (a released head is 3.6 GB in bf16, twice that in f32);
+    the handle still defaults to float32."""
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    t = {k: v.astype(bf16) if v.dtype == np.float32 else v for k, v in hand_tensors(vd=20).items()}
+    config, arrays, dtype = read_drafter(write(tmp_path / "bf16", vllm_config(vd=20), t))
+    assert dtype == "float32" and arrays[("fc", "kernel")].dtype == bf16 and arrays[("d2t",)].dtype == np.int32
+    np.testing.assert_array_equal(arrays[("fc", "kernel")], t["fc.weight"].T)
+    d = load_drafter(tmp_path / "bf16")
+    assert d.dtype == np.float32
+    np.testing.assert_array_equal(d.arrays()[("fc", "kernel")], t["fc.weight"].T.astype(np.float32))
+
+
+def test_check_tensors_lists_every_fault(tmp_path):
+    """The importer and the lint share one check; it collects every fault, the importer raises the first."""
+    from peagle_jax.weights import Checkpoint
+
+    t = hand_tensors(vd=20)
+    t["fc.weight"] = t["fc.weight"][:, :-1].copy()
+    t["norm.weight"] = t["norm.weight"].astype(np.int32)
+    t["mask_hidden"] = t["mask_hidden"].reshape(3 * H)
+    del t["layers.1.mlp.up_proj.weight"]
+    t["extra.weight"] = np.zeros(2, np.float32)
+    folder = write(tmp_path / "bad", vllm_config(vd=20), t)
+    chk = check_tensors(Checkpoint(folder), read_vllm_config(vllm_config(vd=20), "config.json"))
+    assert chk.layer0 == "midlayer." and chk.extra == ["extra.weight"] and chk.reshaped == ["mask_hidden"]
+    assert list(chk.missing) == ["layers.1.mlp.up_proj.weight"]
+    assert len(chk.errors) == 2 and "'fc.weight' has shape" in chk.errors[0] and "I32" in chk.errors[1]
+    with pytest.raises(DrafterIOError, match="'fc.weight' has shape"):
+        load_drafter(folder)
+
+
+def small_head(vd: int):
+    """(config, arrays) of a random head of this file's shapes; draft vocabulary: every other id."""
+    from peagle_jax.models.drafter import init_arrays
+
+    config = read_vllm_config(vllm_config(vd=vd), "config.json")
+    used = np.arange(V) if vd == V else np.arange(0, 2 * vd, 2)
+    return config, init_arrays(config, 0, {("d2t",): (used - np.arange(vd)).astype(np.int32)})
+
+
+def test_full_vocabulary_exports_carry_no_id_map():
+    """vLLM 0.33 refuses d2t in a full-vocabulary head (it creates no draft_id_to_target_id)."""
+    config, arrays = small_head(V)
+    assert not {"d2t", "t2d"} & set(vllm_tensors(config, arrays))
+    assert not {"d2t", "t2d"} & set(checkpoint_tensors(config, arrays))
+    assert {"d2t", "t2d"} <= set(vllm_tensors(*small_head(20)))
+    arrays[("d2t",)] = (np.roll(np.arange(V), 1) - np.arange(V)).astype(np.int32)  # a permutation: no identity
+    with pytest.raises(DrafterIOError, match="non-zero d2t"):
+        checkpoint_tensors(config, arrays)
+
+
+def test_speculators_aux_ids_default_to_the_verifiers(tmp_path):
+    """A speculators head without aux ids takes its verifier's defaults, as speculators and vLLM do."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target/config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 12,
+                "hidden_size": H,
+                "vocab_size": V,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
+    cfg = json.loads(json.dumps(json.loads((GOLDEN / "config.json").read_text()))) if GOLDEN.is_dir() else None
+    if cfg is None:
+        pytest.skip("golden vectors not found")
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "../target"
+    folder = tmp_path / "head"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    (folder / "model.safetensors").symlink_to(GOLDEN / "model.safetensors")
+    config, _, _ = read_drafter(folder)
+    assert config.aux_layer_ids == (2, 6, 9)
+    cfg["speculators_config"]["verifier"]["name_or_path"] = "org/elsewhere"
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert read_drafter(folder)[0].aux_layer_ids is None

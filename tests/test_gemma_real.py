@@ -13,7 +13,7 @@ pytestmark = pytest.mark.real
 
 PROMPTS = [
     "The capital of France is Paris. The capital of Germany is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
 ]
 
 
@@ -55,7 +55,7 @@ def test_logits_match_transformers(models):
 
 
 def test_greedy_32_tokens_match_transformers(models):
-    from peagle_jax.target import generate_greedy
+    from peagle_jax.generation import generate_greedy
 
     target, hf, torch = models
     prompts = [target.tokenizer(t)["input_ids"] for t in PROMPTS]
@@ -63,7 +63,7 @@ def test_greedy_32_tokens_match_transformers(models):
     for p in prompts:
         with torch.no_grad():
             seq = hf.generate(torch.tensor([p]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-        want.append(seq[0, len(p):].tolist())
+        want.append(seq[0, len(p) :].tolist())
     assert generate_greedy(target, prompts, 32, eos=()) == want  # both prompts in one ragged batch
 
 
@@ -77,7 +77,7 @@ def test_speculative_64_tokens_equal_plain_greedy_with_random_drafters(models):
     plain = SpeculativeDecoder(target, mode="none").generate(PROMPTS, max_new_tokens=64)
     ids = target.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
-        ref = hf.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+        ref = hf.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1] :].tolist()
     assert plain.tokens[0] == ref[: len(plain.tokens[0])] and len(plain.tokens[0]) >= 32
     for mode in ("parallel", "chain"):
         drafter = pj.new_drafter(target, num_layers=1, mode=mode, seed=0, draft_vocab=np.arange(32768))

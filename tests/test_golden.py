@@ -8,17 +8,17 @@ token and mask_hidden at depth > 0, position id = ref.
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-from peagle_jax.drafter import cod_rows_forward, draft_to_target, init_drafter_cache, load_drafter, peagle_mask
-from train.loss import argmax_in_draft, draft_loss, teacher_logits
 from paths import VECTORS
 
+from peagle_jax import cache as kv
+from peagle_jax.drafter import load_drafter
+from peagle_jax.models.drafter import cod_rows_forward, draft_to_target, peagle_mask
+from train.loss import argmax_in_draft, draft_loss, teacher_logits
 
 pytestmark = pytest.mark.skipif(not VECTORS.is_dir(), reason=f"golden vectors not found at {VECTORS}")
 TOL = 1e-5
@@ -68,8 +68,10 @@ def test_mask_rule_matches(rows):
 
 def _cod_args(rows):
     ref = rows["anchor"] + rows["depth"]
-    return [jnp.asarray(a)[None] for a in (rows["input_ids"][ref], rows["aux_hidden"][ref], rows["anchor"],
-                                           rows["depth"], np.zeros_like(ref))]
+    return [
+        jnp.asarray(a)[None]
+        for a in (rows["input_ids"][ref], rows["aux_hidden"][ref], rows["anchor"], rows["depth"], np.zeros_like(ref))
+    ]
 
 
 def _cod_logits(drafter, rows):
@@ -91,8 +93,9 @@ def test_cod_rows_through_the_kernels_match_golden_and_dense_gradients(drafter, 
         logits = cod_rows_forward(nnx.merge(drafter.graphdef, state), *args, mask=mask)
         return jnp.sum(jax.nn.log_softmax(logits) * jnp.cos(jnp.arange(logits.shape[-1])))
 
-    got = np.asarray(jax.jit(lambda st: cod_rows_forward(nnx.merge(drafter.graphdef, st), *args,
-                                                         mask="kernels"))(drafter.state)[0])
+    got = np.asarray(
+        jax.jit(lambda st: cod_rows_forward(nnx.merge(drafter.graphdef, st), *args, mask="kernels"))(drafter.state)[0]
+    )
     assert np.abs(got - rows["draft_logits"]).max() < TOL
     dense = jax.grad(loss, allow_int=True)(drafter.state, None)
     blockwise = jax.grad(loss, allow_int=True)(drafter.state, "kernels")
@@ -117,8 +120,9 @@ def test_loss_definition(drafter, rows, target_head):
     _, lm_head, _ = target_head
     y, ref, teacher = _loss_inputs(drafter, rows, target_head)
     logits = _cod_logits(drafter, rows)
-    out = draft_loss(jnp.asarray(logits), teacher, jnp.asarray(rows["loss_mask"][ref]),
-                     jnp.asarray(rows["depth"]), num_depths=4)
+    out = draft_loss(
+        jnp.asarray(logits), teacher, jnp.asarray(rows["loss_mask"][ref]), jnp.asarray(rows["depth"]), num_depths=4
+    )
 
     ids = np.nonzero(drafter.t2d)[0]
     t = (y[ref] @ lm_head.T)[:, ids].astype(np.float64)
@@ -139,23 +143,24 @@ def test_loss_definition(drafter, rows, target_head):
     assert np.asarray(argmax_in_draft(full, jnp.asarray(drafter.t2d))).dtype == bool
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "golden `loss` 0.98728 is not reproducible from the shipped files: speculators' own "
-    "PEagleDraftModel.forward on these rows, with verifier weights loaded from target/, gives "
-    "0.596416 (= ours); no row subset/teacher position reaches 0.987 (per-row KL <= 0.733). "
-    "Likely the harness perturbed the (unsaved) verifier_lm_head/verifier_norm with its random weights."))
 def test_loss_golden_value(drafter, rows, target_head):
+    """The corrected golden loss (0.5964163: teacher of row (a, d) at position a + d, KL summed
+    over the vocabulary and the supervised rows, divided by count + 1e-5) to 1e-6."""
     _, ref, teacher = _loss_inputs(drafter, rows, target_head)
     out = draft_loss(jnp.asarray(_cod_logits(drafter, rows)), teacher, jnp.asarray(rows["loss_mask"][ref]))
-    assert abs(float(out.loss) - float(rows["loss"])) < TOL
+    assert abs(float(out.loss) - float(rows["loss"])) < 1e-6, (float(out.loss), float(rows["loss"]))
 
 
 def _slots(drafter, p):
     """vLLM's single-pass layout: prompt[1:] + [bonus] with aux 0..11, then K-1 = 4 mask slots."""
     k1 = 4
     tokens = np.concatenate([p["prompt"][1:], [p["bonus"]], [drafter.config.mask_token_id] * k1])
-    g = jnp.concatenate([drafter.fuse(jnp.asarray(p["aux_hidden"])),
-                         jnp.broadcast_to(drafter.model.mask_g(), (k1, drafter.config.hidden_size))])
+    g = jnp.concatenate(
+        [
+            drafter.fuse(jnp.asarray(p["aux_hidden"])),
+            jnp.broadcast_to(drafter.model.mask_g(), (k1, drafter.config.hidden_size)),
+        ]
+    )
     return jnp.asarray(tokens)[None], g[None], jnp.arange(tokens.shape[0])[None]
 
 
@@ -175,7 +180,7 @@ def test_propose_with_cache(drafter, propose, split):
     (split 11: vLLM's shape, bonus slot + mask slots together) == the one-shot pass."""
     tokens, g, pos = _slots(drafter, propose)
     one_shot = drafter.apply(tokens, g, pos).logits
-    cache = init_drafter_cache(drafter.config, 1, 24)
+    cache = kv.init(drafter.config, 1, 24)
     first = drafter.apply(tokens[:, :split], g[:, :split], pos[:, :split], cache)
     second = drafter.apply(tokens[:, split:], g[:, split:], pos[:, split:], first.cache)
     split_logits = jnp.concatenate([first.logits, second.logits], axis=1)

@@ -39,8 +39,25 @@ def assets(tmp_path_factory):
 
 def test_generate_json_is_lossless_and_uses_the_chat_template(assets, capsys):
     root, target = assets
-    assert main(["generate", "--target", str(root / "target"), "--drafter", str(root / "drafter"),
-                 "--k", "3", "--prompt", "w10 w11 w12", "--max-new-tokens", "10", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--target",
+                str(root / "target"),
+                "--drafter",
+                str(root / "drafter"),
+                "--k",
+                "3",
+                "--prompt",
+                "w10 w11 w12",
+                "--max-new-tokens",
+                "10",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     templated = [2, 10, 11, 12, 3, 4]  # w2 <content> w3 w4
     plain = SpeculativeDecoder(target, mode="none").generate([templated], max_new_tokens=10)
@@ -52,15 +69,40 @@ def test_generate_json_is_lossless_and_uses_the_chat_template(assets, capsys):
 def test_bench_writes_all_numbers(assets, tmp_path, capsys):
     root, _ = assets
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt": "w5 w6"}\n{"messages": [{"role": "user", "content": "w7 w8 w9"}]}\n'
-                       '{"turns": ["w1", "w2"]}\n')
+    prompts.write_text(
+        '{"prompt": "w5 w6"}\n{"messages": [{"role": "user", "content": "w7 w8 w9"}]}\n{"turns": ["w1", "w2"]}\n'
+    )
     out = tmp_path / "res" / "bench.json"
-    assert main(["bench", "--target", str(root / "target"), "--drafter", str(root / "drafter"), "--k", "3",
-                 "--prompts", str(prompts), "--max-new-tokens", "8", "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--target",
+                str(root / "target"),
+                "--drafter",
+                str(root / "drafter"),
+                "--k",
+                "3",
+                "--prompts",
+                str(prompts),
+                "--max-new-tokens",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())
     assert res["batches"] == 3 and res["identical_greedy_outputs"] is True
-    for key in ("baseline_tokens_per_second", "speculative_tokens_per_second", "speedup",
-                "acceptance_length", "drafter_ms_per_round", "target_ms_per_round"):
+    for key in (
+        "baseline_tokens_per_second",
+        "speculative_tokens_per_second",
+        "speedup",
+        "acceptance_length",
+        "drafter_ms_per_round",
+        "target_ms_per_round",
+    ):
         assert res[key] > 0, key
     assert len(res["per_position_acceptance"]) == 3
     assert "speedup" in capsys.readouterr().out
@@ -68,11 +110,34 @@ def test_bench_writes_all_numbers(assets, tmp_path, capsys):
 
 def test_errors_are_one_line_and_nonzero(assets, tmp_path):
     root, _ = assets
-    cmd = [sys.executable, "-m", "infer", "generate", "--target", str(tmp_path / "nope"), "--drafter",
-           str(root / "drafter"), "--prompt", "w1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "infer",
+        "generate",
+        "--target",
+        str(tmp_path / "nope"),
+        "--drafter",
+        str(root / "drafter"),
+        "--prompt",
+        "w1",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert len(proc.stderr.strip().splitlines()) == 1 and "nope" in proc.stderr
-    no_drafter = subprocess.run([sys.executable, "-m", "infer", "generate", "--target", str(root / "target"),
-                                 "--prompt", "w1"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stdout == ""  # the work failed: a folder it cannot use
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "nope" in errors[0] and proc.stderr.strip().splitlines()[-1] == errors[0]
+    no_drafter = subprocess.run(
+        [sys.executable, "-m", "infer", "generate", "--target", str(root / "target"), "--prompt", "w1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert no_drafter.returncode == 2 and "--drafter" in no_drafter.stderr
+
+
+@pytest.mark.parametrize("argv", [["generate"], ["bench", "--target", "x", "--k", "seven"], ["nope"], []])
+def test_usage_errors_are_one_line(argv, capsys):
+    """argparse's own errors (missing flag, bad int, unknown command) are one line too, exit 2."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: python -m infer"), err

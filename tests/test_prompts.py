@@ -7,12 +7,17 @@ import json
 
 import pytest
 
-from infer.prompts import DATA_DIR, HUMANEVAL_TEMPLATE, encode_conversation, load_prompts
+from peagle_jax.chat import encode_prompt
+from peagle_jax.prompts import DATA_DIR, HUMANEVAL_TEMPLATE, load_prompts
 
 
 def _is_conversation(c):
-    return (isinstance(c, list) and c and all(set(m) == {"role", "content"} for m in c)
-            and all(isinstance(m["content"], str) and m["content"] for m in c))
+    return (
+        isinstance(c, list)
+        and c
+        and all(set(m) == {"role", "content"} for m in c)
+        and all(isinstance(m["content"], str) and m["content"] for m in c)
+    )
 
 
 def test_mtbench_80_first_turns():
@@ -48,8 +53,7 @@ def test_jsonl_formats(tmp_path):
     p = tmp_path / "p.jsonl"
     rows = [
         {"prompt": "Say hi."},
-        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}],
-         "id": 7},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Why?"}], "id": 7},
         {"turns": ["First turn", "second turn (ignored)"], "category": "x"},
     ]
     p.write_text("\n".join(json.dumps(r) for r in rows[:2]) + "\n\n   \n" + json.dumps(rows[2]) + "\n")
@@ -100,7 +104,19 @@ def test_bad_source_and_limit(tmp_path):
 def _tiny_tokenizer():
     tokenizers = pytest.importorskip("tokenizers")
     transformers = pytest.importorskip("transformers")
-    vocab = {"<unk>": 0, "<bos>": 1, "hello": 2, "world": 3, "user": 4, "assistant": 5, ":": 6, "system": 7}
+    vocab = {
+        "<unk>": 0,
+        "<bos>": 1,
+        "hello": 2,
+        "world": 3,
+        "user": 4,
+        "assistant": 5,
+        ":": 6,
+        "system": 7,
+        "System:": 8,
+        "User:": 9,
+        "Assistant:": 10,
+    }
     t = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
     t.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
     t.post_processor = tokenizers.processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
@@ -111,15 +127,18 @@ def test_encode_plain_without_chat_template():
     tok = _tiny_tokenizer()
     assert not tok.chat_template
     conv = [{"role": "system", "content": "hello"}, {"role": "user", "content": "world hello"}]
-    assert encode_conversation(tok, conv) == [1, 2, 3, 2]  # BOS + "hello\nworld hello"
-    assert encode_conversation(tok, "hello world") == [1, 2, 3]
+    # the trainer's format: BOS + "System: hello\nUser: world hello\nAssistant:"
+    assert encode_prompt(tok, conv) == [1, 8, 2, 9, 3, 2, 10]
+    assert encode_prompt(tok, "hello world") == [1, 9, 2, 3, 10]
 
 
 def test_encode_uses_chat_template_with_generation_prompt():
     tok = _tiny_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}"
-                         "{% if add_generation_prompt %}assistant :{% endif %}")
-    ids = encode_conversation(tok, [{"role": "user", "content": "hello world"}])
+    tok.chat_template = (
+        "{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}"
+        "{% if add_generation_prompt %}assistant :{% endif %}"
+    )
+    ids = encode_prompt(tok, [{"role": "user", "content": "hello world"}])
     assert ids == [4, 6, 2, 3, 5, 6]
     assert all(isinstance(i, int) for i in ids)
 
@@ -135,9 +154,9 @@ def test_gemma3_270m_tokenizes_prompt_sets():
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    assert not tok.chat_template  # the base GGUF carries none: plain concatenation
+    assert not tok.chat_template  # the base GGUF carries none: the plain User:/Assistant: form
     for source in ("mtbench", "humaneval"):
         for conv in load_prompts(source, limit=5):
-            ids = encode_conversation(tok, conv)
+            ids = encode_prompt(tok, conv)
             assert ids[0] == tok.bos_token_id and len(ids) > 5
-            assert tok.decode(ids[1:]) == conv[0]["content"]
+            assert tok.decode(ids[1:]) == f"User: {conv[0]['content']}\nAssistant:"

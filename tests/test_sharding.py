@@ -40,8 +40,9 @@ SCRIPT = textwrap.dedent("""
 def test_sharded_engine_equals_single_device(tmp_path):
     hf_tiny.build("llama-gqa2-tied-llama3", tmp_path / "t")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "t")], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "t")], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["q_shards_False"] == 1 and out["q_shards_True"] == 8  # really spread over the mesh

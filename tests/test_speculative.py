@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import hf_tiny
 import numpy as np
 import pytest
 import torch
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
-from peagle_jax import drafter as drafter_mod
 from peagle_jax import speculative as sp
-import hf_tiny
+from peagle_jax.models import drafter as drafter_mod
 
 AUX = (0, 1, 2)
 NEW = 20
@@ -33,9 +33,8 @@ def _prompts(batch: int, seed: int = 0) -> list[list[int]]:
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa2-tied-llama3", "qwen3", "gemma3"])
@@ -157,8 +156,8 @@ def test_parallel_round_runs_one_drafter_forward(models, monkeypatch):
     counts = {}
     for mode in ("parallel", "chain"):
         dec = SpeculativeDecoder(target, pj.new_drafter(target, mode=mode), k=7, mode=mode)
-        cfg, _, state = dec.prefill(_prompts(1), max_new_tokens=8)
-        tdef, tstate, ddef, dstate = dec._modules()
+        cfg, _, state = dec.start(_prompts(1), max_new_tokens=8)
+        tdef, tstate, ddef, dstate = dec.modules()
         calls["n"] = 0
         import jax
 
@@ -184,9 +183,11 @@ def test_propose_equals_the_dense_slot_formula(models):
     model = drafter.model
     p = len(prompt)
     tokens = jnp.asarray([prompt[1:] + [bonus] + [drafter.config.mask_token_id] * (k - 1)])
-    g = jnp.concatenate([model.fuse(out.aux_hidden), jnp.broadcast_to(model.mask_g(), (1, k - 1, model.config.hidden_size))], axis=1)
+    g = jnp.concatenate(
+        [model.fuse(out.aux_hidden), jnp.broadcast_to(model.mask_g(), (1, k - 1, model.config.hidden_size))], axis=1
+    )
     positions = jnp.arange(p + k - 1)[None, :]
-    logits = np.asarray(model(tokens, g, positions).logits)[0, p - 1:]
+    logits = np.asarray(model(tokens, g, positions).logits)[0, p - 1 :]
     ids = logits.argmax(-1)
     want = [bonus, *(ids + np.asarray(drafter.d2t)[ids]).tolist()]
     assert got == want
@@ -268,13 +269,69 @@ def test_bad_input_is_refused_clearly(models):
         SpeculativeDecoder(target, foreign, k=3)
 
 
-def test_no_recompile_across_calls_in_one_bucket(models):
+def test_no_recompile_across_calls_in_one_bucket(models, monkeypatch):
     """One compile per (batch bucket, cache length, K): new prompts of other lengths and
-    other token budgets in the same buckets reuse the compiled prefill and loop."""
+    other token budgets in the same buckets reuse the compiled prefill and loop (counted as
+    traces of the engine's prefill and round)."""
+    traces = []
+    for name in ("prefill", "decode_round"):
+        original = getattr(sp, name)
+        monkeypatch.setattr(sp, name, lambda *a, _f=original, _n=name: traces.append(_n) or _f(*a))
     _, target = models["llama-gqa2-tied-llama3"]
-    dec = SpeculativeDecoder(target, pj.new_drafter(target, mode="parallel", seed=2), k=3)
+    # eos ids no other test uses (outside the vocabulary: never emitted): a static engine
+    # setting, so the first call must compile
+    dec = SpeculativeDecoder(target, pj.new_drafter(target, mode="parallel", seed=2), k=3, eos_ids=(1000, 1001))
     first = dec.generate(_prompts(3, seed=8), max_new_tokens=10)
-    sizes = (sp.jit_prefill._cache_size(), sp.jit_generate._cache_size())
+    assert set(traces) == {"prefill", "decode_round"}  # the counter sees compiles
+    traces.clear()
     again = dec.generate(_prompts(4, seed=9), max_new_tokens=14)
-    assert (sp.jit_prefill._cache_size(), sp.jit_generate._cache_size()) == sizes
+    assert traces == []
     assert [len(t) for t in first.tokens] == [10] * 3 and [len(t) for t in again.tokens] == [14] * 4
+
+
+def test_drafter_aux_ids_decide_and_are_reported():
+    """The drafter's aux ids are used whatever the target was loaded with (they are what the head
+    was trained on), res.stats says so, and ids the target cannot capture are an error."""
+    import dataclasses
+
+    from paths import VECTORS
+
+    target = pj.load_target(VECTORS / "target", dtype="float32", aux_layer_ids=(0, 1, 2))  # 8 layers
+    drafter = pj.new_drafter(target, mode="parallel", seed=5)
+    drafter.config = dataclasses.replace(drafter.config, aux_layer_ids=(5, 2, 4))  # any order: layer order
+    prompts = _prompts(2, seed=11)
+    res = SpeculativeDecoder(target, drafter, k=3).generate(prompts, max_new_tokens=6)
+    assert res.stats["aux_layer_ids"] == [2, 4, 5] and res.stats["aux_layer_ids_from"] == "drafter"
+    same_ids = pj.load_target(VECTORS / "target", dtype="float32", aux_layer_ids=(2, 4, 5))
+    ref = SpeculativeDecoder(same_ids, drafter, k=3)
+    dec = SpeculativeDecoder(target, drafter, k=3)
+    assert [dec.propose(p) for p in prompts] == [ref.propose(p) for p in prompts]
+    other = SpeculativeDecoder(target, pj.new_drafter(target, mode="parallel", seed=5), k=3)
+    assert [other.propose(p) for p in prompts] != [ref.propose(p) for p in prompts]  # the ids matter
+    drafter.config = dataclasses.replace(drafter.config, aux_layer_ids=(0, 1, 8))
+    with pytest.raises(ValueError, match=r"aux_layer_ids.*8-layer target"):
+        SpeculativeDecoder(target, drafter, k=3)
+
+
+def test_vllm_head_without_aux_ids_reads_the_target_default(models, tmp_path):
+    """A vLLM folder whose config names no aux layers loads with aux_layer_ids None and then
+    decodes with the paired target's default ids, as vLLM does (it used to fail with
+    `TypeError: 'NoneType' object is not iterable`)."""
+    import json
+
+    from peagle_jax.drafter_io import export_vllm
+
+    _, target = models["llama-gqa2-tied-llama3"]
+    folder = export_vllm(pj.new_drafter(target, mode="parallel", seed=6), tmp_path / "head", dtype="float32")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.pop("eagle_aux_hidden_state_layer_ids")
+    cfg["eagle_config"].pop("eagle_aux_hidden_state_layer_ids")
+    (folder / "config.json").write_text(json.dumps(cfg))
+    head = pj.load_drafter(folder)
+    assert head.config.aux_layer_ids is None
+    prompts = _prompts(2, seed=12)
+    plain = SpeculativeDecoder(target, mode="none").generate(prompts, max_new_tokens=8)
+    res = SpeculativeDecoder(target, head, k=3).generate(prompts, max_new_tokens=8)
+    assert res.tokens == plain.tokens
+    assert res.stats["aux_layer_ids_from"] == "target default"
+    assert tuple(res.stats["aux_layer_ids"]) == target.config.default_aux_layer_ids()

@@ -1,7 +1,7 @@
 """Independent check of the speculators export: vllm-project's own PyTorch P-EAGLE model
 (PyPI `speculators`, eager attention, f32, CPU) loads a folder written by
 `python -m peagle_jax.convert export --format speculators` and gives the same draft logits as
-our drafter (`peagle_jax.drafter.cod_rows_forward`) on the same COD rows.
+our drafter (`peagle_jax.models.drafter.cod_rows_forward`) on the same COD rows.
 
 The rows are pinned (speculators samples them at random inside `forward`: its sampler is
 replaced by one returning our anchors/depths), its loss is stubbed out (the default one needs
@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.speculators, pytest.mark.filterwarnings("ignore::Futur
 
 torch = pytest.importorskip("torch")
 speculators = pytest.importorskip(
-    "speculators", exc_type=ImportError,  # absent, or present without its import-time dependencies
+    "speculators",
+    exc_type=ImportError,  # absent, or present without its import-time dependencies
     reason="needs the speculators package: pip install -e '.[speculators]' && pip install --no-deps speculators==0.9.0",
 )
 
@@ -37,21 +38,21 @@ from speculators.config import SpeculatorModelConfig  # noqa: E402
 from speculators.models.peagle import PEagleDraftModel  # noqa: E402
 from speculators.models.peagle import core as peagle_core  # noqa: E402
 
-from peagle_jax.config import RopeConfig  # noqa: E402
+from peagle_jax.config import DrafterConfig, RopeConfig  # noqa: E402
 from peagle_jax.convert import main  # noqa: E402
-from peagle_jax.drafter import (  # noqa: E402
-    Drafter,
-    DrafterConfig,
-    abstract_drafter,
-    cod_rows_forward,
-    flat_state,
-    state_from_arrays,
-)
+from peagle_jax.drafter import Drafter  # noqa: E402
+from peagle_jax.models.drafter import abstract_drafter, cod_rows_forward, flat_state  # noqa: E402
 
 V, H, HT, T = 64, 32, 32, 12
 TOL = 1e-4
-LLAMA3 = RopeConfig(theta=10000.0, type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=8)
+LLAMA3 = RopeConfig(
+    theta=10000.0,
+    type="llama3",
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8,
+)
 CASES = {
     "1layer-V": dict(num_layers=1, vd=V),
     "1layer-Vd<V": dict(num_layers=1, vd=40, norm_before_residual=True),
@@ -66,10 +67,26 @@ DEPTH = np.array([0] * T + [1] * 6 + [2] * 3 + [3] * 2)
 
 
 def random_drafter(num_layers: int, vd: int, seed: int = 0, **flags) -> Drafter:
-    cfg = DrafterConfig(hidden_size=H, target_hidden_size=HT, num_layers=num_layers, num_heads=4, num_kv_heads=2,
-                        head_dim=8, intermediate_size=48, vocab_size=V, draft_vocab_size=vd, rms_norm_eps=1e-6,
-                        max_position_embeddings=64, mode="parallel", mask_token_id=V - 3, aux_layer_ids=(1, 3, 5),
-                        k_train=4, target_model_type="llama", verifier="tiny/llama", **flags)
+    cfg = DrafterConfig(
+        hidden_size=H,
+        target_hidden_size=HT,
+        num_layers=num_layers,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=V,
+        draft_vocab_size=vd,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        mode="parallel",
+        mask_token_id=V - 3,
+        aux_layer_ids=(1, 3, 5),
+        k_train=4,
+        target_model_type="llama",
+        verifier="tiny/llama",
+        **flags,
+    )
     rng = np.random.default_rng(seed)
     arrays = {}
     for path, var in flat_state(abstract_drafter(cfg)[1]).items():
@@ -83,9 +100,9 @@ def random_drafter(num_layers: int, vd: int, seed: int = 0, **flags) -> Drafter:
             arrays[path] = used - np.arange(vd)
         else:
             arrays[path] = rng.standard_normal(var.shape) / np.sqrt(var.shape[0])
-    graphdef, state = state_from_arrays(cfg, {k: np.asarray(v, np.float32 if k != ("d2t",) else np.int32)
-                                              for k, v in arrays.items()})
-    return Drafter(cfg, graphdef, state)
+    return Drafter.from_arrays(
+        cfg, {k: np.asarray(v, np.float32 if k != ("d2t",) else np.int32) for k, v in arrays.items()}
+    )
 
 
 def speculators_logits(folder: Path, aux: np.ndarray, input_ids: np.ndarray, monkeypatch):
@@ -107,16 +124,22 @@ def speculators_logits(folder: Path, aux: np.ndarray, input_ids: np.ndarray, mon
             assert torch.isfinite(t).all(), f"{name} was not loaded"
     assert torch.equal(model.mask_hidden.detach(), state["mask_hidden"])
 
-    monkeypatch.setattr(peagle_core, "generate_cod_sample_indices",
-                        lambda **kw: (torch.as_tensor(ANCHOR), torch.as_tensor(DEPTH)))
+    monkeypatch.setattr(
+        peagle_core, "generate_cod_sample_indices", lambda **kw: (torch.as_tensor(ANCHOR), torch.as_tensor(DEPTH))
+    )
     monkeypatch.setattr(peagle_core, "compute_metrics", lambda **kw: (torch.zeros(()), {}))
     captured = {}
     hook = model.lm_head.register_forward_hook(lambda mod, args, out: captured.__setitem__("logits", out))
     try:
         with torch.no_grad():
-            model(hidden_states=torch.as_tensor(aux)[None], input_ids=torch.as_tensor(input_ids)[None],
-                  document_ids=torch.as_tensor(DOC_IDS)[None], loss_mask=torch.ones(1, T),
-                  verifier_last_hidden_states=torch.zeros(1, T, HT), num_depths=int(DEPTH.max()) + 1)
+            model(
+                hidden_states=torch.as_tensor(aux)[None],
+                input_ids=torch.as_tensor(input_ids)[None],
+                document_ids=torch.as_tensor(DOC_IDS)[None],
+                loss_mask=torch.ones(1, T),
+                verifier_last_hidden_states=torch.zeros(1, T, HT),
+                num_depths=int(DEPTH.max()) + 1,
+            )
     finally:
         hook.remove()
     return captured["logits"][0].numpy(), model
@@ -136,8 +159,14 @@ def test_speculators_loads_our_export_with_the_same_logits(case, tmp_path, monke
     theirs, model = speculators_logits(out, aux, input_ids, monkeypatch)
 
     ref = ANCHOR + DEPTH
-    ours = cod_rows_forward(drafter.model, jnp.asarray(input_ids[ref])[None], jnp.asarray(aux[ref])[None],
-                            jnp.asarray(ANCHOR)[None], jnp.asarray(DEPTH)[None], jnp.asarray(DOC_IDS[ANCHOR])[None])
+    ours = cod_rows_forward(
+        drafter.model,
+        jnp.asarray(input_ids[ref])[None],
+        jnp.asarray(aux[ref])[None],
+        jnp.asarray(ANCHOR)[None],
+        jnp.asarray(DEPTH)[None],
+        jnp.asarray(DOC_IDS[ANCHOR])[None],
+    )
     ours = np.asarray(ours[0])
     assert theirs.shape == ours.shape == (len(ANCHOR), drafter.config.draft_vocab_size)
     diff = float(np.abs(theirs - ours).max())

@@ -10,23 +10,22 @@ from __future__ import annotations
 
 import json
 
+import hf_tiny
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import hf_tiny
-import peagle_jax as pj
-from peagle_jax.config import TargetConfig
-from peagle_jax.target import generate_greedy
 from paths import VECTORS
+
+import peagle_jax as pj
+from peagle_jax.generation import generate_greedy
+from peagle_jax.models.registry import target_config
 
 torch = pytest.importorskip("torch")
 
 GOLDEN = VECTORS
 L = hf_tiny.LAYERS
 AUX = (0, 1, 2)  # every layer of the 3-layer tiny models
-
 
 
 def _close(got, want, tol, what):
@@ -56,7 +55,6 @@ def test_matches_transformers(kind, built):
     _close(out.hidden, hidden_states[-1], 1e-5, "final-norm hidden")
 
 
-
 def test_old_rope_keys_parse_the_same(built, tmp_path):
     """transformers v4 `rope_theta` + `rope_scaling` (with `type` or `rope_type`) = v5 `rope_parameters`."""
     folder, _ = built("llama-gqa2-tied-llama3")
@@ -67,8 +65,8 @@ def test_old_rope_keys_parse_the_same(built, tmp_path):
         v4["rope_theta"] = params.pop("rope_theta")
         params[type_key] = params.pop("rope_type")
         v4["rope_scaling"] = params
-        assert TargetConfig.from_hf(v4) == TargetConfig.from_hf(v5)
-    cfg = TargetConfig.from_hf(v5)
+        assert target_config(v4) == target_config(v5)
+    cfg = target_config(v5)
     assert cfg.rope.type == "llama3" and cfg.rope.factor == 8.0 and cfg.tie_word_embeddings
 
 
@@ -84,7 +82,7 @@ def test_cached_decode_equals_full_forward(kind, built):
     start = 0
     for n in (7, 1, 1, 4, 1):
         pos = np.broadcast_to(np.arange(start, start + n), (2, n))
-        out = target.apply(ids[:, start:start + n], pos, cache)
+        out = target.apply(ids[:, start : start + n], pos, cache)
         cache = out.cache
         sl = slice(start, start + n)
         np.testing.assert_allclose(np.asarray(out.logits), np.asarray(full.logits[:, sl]), rtol=1e-5, atol=1e-5)
@@ -103,7 +101,7 @@ def test_ragged_batch_equals_per_row(built):
     no_cache = target.apply(ids, pos)
     cached = target.apply(ids, pos, target.init_cache(3, 16), logits_at=np.array(lengths)[:, None] - 1)
     for b, n in enumerate(lengths):
-        logits, hs = hf_tiny.hf_run(hf, ids[b:b + 1, :n])
+        logits, hs = hf_tiny.hf_run(hf, ids[b : b + 1, :n])
         np.testing.assert_allclose(np.asarray(no_cache.logits[b, :n]), logits[0], atol=1e-4, rtol=0)
         aux = np.asarray(no_cache.aux_hidden[b, :n]).reshape(n, 3, -1)
         for j, layer in enumerate(AUX):
@@ -122,12 +120,12 @@ def test_generate_greedy_matches_transformers(kind, built):
     for p in prompts:
         with torch.no_grad():
             seq = hf.generate(torch.tensor([p]), max_new_tokens=new, min_new_tokens=new, do_sample=False)
-        want.append(seq[0, len(p):].tolist())
+        want.append(seq[0, len(p) :].tolist())
     assert generate_greedy(target, prompts, new, eos=()) == want  # one ragged batch = per-row HF runs
 
     # per-row EOS: a row stops at (and keeps) its first EOS token, the others go on
     eos = want[0][2]
-    got = target.generate(prompts, new, eos=eos)
+    got = generate_greedy(target, prompts, new, eos=eos)
     for g, w in zip(got, want):
         assert g == (w[: w.index(eos) + 1] if eos in w else w)
 
@@ -170,7 +168,7 @@ def test_bad_aux_layer_ids(ids, built):
 
 def test_default_aux_ids(built, tmp_path):
     folder, _ = built("llama-mha-untied")
-    assert pj.load_target(folder, dtype="float32").aux_layer_ids == (2, 1, 0)  # (2, L//2, L-3)
+    assert pj.load_target(folder, dtype="float32").aux_layer_ids == (0, 1, 2)  # (2, L//2, L-3) in layer order
     small = tmp_path / "two-layers"
     small.mkdir()
     (small / "config.json").write_text((folder / "config.json").read_text())
@@ -186,9 +184,9 @@ def test_bad_input_ids(built):
         target.forward([1, 2, 3])
     with pytest.raises(ValueError, match="input_ids"):
         target.forward([[1, hf_tiny.VOCAB]])
-    with pytest.raises(ValueError, match="empty prompt"):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
         generate_greedy(target, [[1], []], 2)
     with pytest.raises(ValueError, match="position 8 does not fit a KV cache of 8 slots"):
         target.apply([[1, 2]], [[7, 8]], target.init_cache(1, 8))
-    with pytest.raises(ValueError, match="cache_len 7 is too small"):
-        generate_greedy(target, [[1, 2, 3]], 6, cache_len=7)  # needs 3 + 6 - 1 = 8 slots
+    with pytest.raises(ValueError, match="does not fit the KV cache of 10 positions"):
+        generate_greedy(target, [[1, 2, 3]], 6, cache_len=10)  # needs 3 + 6 + 2 = 11 slots

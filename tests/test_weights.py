@@ -6,22 +6,21 @@ import json
 import shutil
 from pathlib import Path
 
+import hf_tiny
 import jax
 import ml_dtypes
-from flax import nnx
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-import hf_tiny
 import peagle_jax as pj
 from peagle_jax.config import ConfigError, TargetConfig
-from peagle_jax.weights import KEY_MAPS, WeightsError, abstract_model, key_map, load_params
+from peagle_jax.models.registry import FAMILIES, key_map, target_config
+from peagle_jax.weights import WeightsError, abstract_model, load_params
 
 torch = pytest.importorskip("torch")
 AUX = (0, 1, 2)
-
-
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -41,13 +40,23 @@ def _leaves(state):
 
 
 def test_key_maps_cover_every_family():
-    for family in KEY_MAPS:
+    for family in FAMILIES:
         for tied in (True, False):
             cfg = TargetConfig(
-                model_type=family, vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
-                num_heads=2, num_kv_heads=1, head_dim=4, tie_word_embeddings=tied,
-                qk_norm=family != "llama", sandwich_norms=family == "gemma3",
-                norm_offset=1.0 if family == "gemma3" else 0.0, attention_bias=True, mlp_bias=True,
+                model_type=family,
+                vocab_size=8,
+                hidden_size=8,
+                intermediate_size=8,
+                num_layers=2,
+                num_heads=2,
+                num_kv_heads=1,
+                head_dim=4,
+                tie_word_embeddings=tied,
+                qk_norm=family != "llama",
+                sandwich_norms=family == "gemma3",
+                norm_offset=1.0 if family == "gemma3" else 0.0,
+                attention_bias=True,
+                mlp_bias=True,
             )
             _, state = abstract_model(cfg)
             ours = {tuple(p) for p, _ in nnx.to_flat_state(state)}
@@ -109,7 +118,7 @@ def test_sharded_checkpoint(built, tmp_path):
     hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="30KB")
     files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) >= 2
-    cfg = TargetConfig.from_hf(folder)
+    cfg = target_config(folder)
     _, one = load_params(folder, cfg)
     _, many = load_params(tmp_path / "sharded", cfg)
     a, b = _leaves(one), _leaves(many)
@@ -125,7 +134,7 @@ def test_sharded_checkpoint(built, tmp_path):
 
 def test_ignored_buffers_and_duplicated_tied_head(built, tmp_path):
     folder, _ = built("llama-gqa2-tied-llama3")
-    cfg = TargetConfig.from_hf(folder)
+    cfg = target_config(folder)
     f = _copy(folder, tmp_path / "extra")
 
     def add(t):
@@ -137,6 +146,7 @@ def test_ignored_buffers_and_duplicated_tied_head(built, tmp_path):
 
     def differ(t):
         t["lm_head.weight"] = t["lm_head.weight"] + 1
+
     _rewrite(f, differ)
     with pytest.raises(WeightsError, match=r"model\.safetensors.*'lm_head\.weight'.*tie_word_embeddings"):
         load_params(f, cfg)
@@ -162,8 +172,11 @@ def _int_tensor(t):
     "edit, pattern",
     [
         (_missing, r"missing tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"),
-        (_misshapen, r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' "
-                     r"has shape \[3, 64\], expected \[32, 64\]"),
+        (
+            _misshapen,
+            r"model\.safetensors: tensor 'model\.layers\.1\.self_attn\.k_proj\.weight' "
+            r"has shape \[3, 64\], expected \[32, 64\]",
+        ),
         (_extra, r"model\.safetensors: unexpected tensor 'model\.layers\.0\.self_attn\.mystery\.weight'"),
         (_int_tensor, r"model\.safetensors: tensor 'model\.norm\.weight' has dtype I32"),
     ],
@@ -180,8 +193,10 @@ def test_bad_tensors(edit, pattern, built, tmp_path):
     "edit, pattern",
     [
         (lambda c: c.update(model_type="mistral"), r"config\.json: unknown model_type 'mistral'"),
-        (lambda c: c.update(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}),
-         r"config\.json key 'rope_parameters': unsupported rope type 'yarn'"),
+        (
+            lambda c: c.update(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}),
+            r"config\.json key 'rope_parameters': unsupported rope type 'longrope'",
+        ),
         (lambda c: c.pop("hidden_size"), r"config\.json: missing key 'hidden_size'"),
     ],
 )

@@ -1,7 +1,9 @@
-"""The decoder-only target model shared by every supported family (Llama, Qwen3, Gemma 3).
+"""The decoder-only target model shared by every supported family (Llama, Qwen3, Gemma 3,
+Qwen3-MoE, GPT-OSS).
 
 Family differences are `TargetConfig` flags; parameter names follow the Hugging Face
 module tree (without the `model.` prefix) so the weight maps stay one line per tensor.
+A layer's feed-forward is a gated MLP or, where `cfg.mlp_types` says "moe", `models.moe.MoE`.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from peagle_jax.config import TargetConfig
 from peagle_jax.models.layers import MLP, Attention, RMSNorm
+from peagle_jax.models.moe import MoE
 
 
 class DecoderOutput(NamedTuple):
@@ -32,20 +36,41 @@ class DecoderLayer(nnx.Module):
 
         self.input_layernorm = norm()
         self.self_attn = Attention(
-            h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            rope=cfg.layer_rope(layer), scale=cfg.attn_scale,
-            bias=cfg.attention_bias, out_bias=cfg.attention_bias,  # HF: o_proj bias = attention_bias too
-            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None, norm_offset=cfg.norm_offset,
-            softcap=cfg.attn_logit_softcapping, window=cfg.window(layer),
-            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+            h,
+            h,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rope=cfg.layer_rope(layer),
+            scale=cfg.attn_scale,
+            bias=cfg.attention_bias,
+            out_bias=cfg.attention_bias,  # HF: o_proj bias = attention_bias too
+            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+            norm_offset=cfg.norm_offset,
+            softcap=cfg.attn_logit_softcapping,
+            window=cfg.window(layer),
+            sinks=cfg.attention_sinks,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
         self.post_attention_layernorm = norm()
         if cfg.sandwich_norms:
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
         self.sandwich = cfg.sandwich_norms
-        self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, bias=cfg.mlp_bias,
-                       dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if cfg.is_moe_layer(layer):
+            self.mlp = MoE(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(
+                h,
+                cfg.intermediate_size,
+                cfg.hidden_act,
+                bias=cfg.mlp_bias,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
 
     def __call__(self, x, positions, kv_cache=None):
         attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache)
@@ -59,16 +84,15 @@ class DecoderLayer(nnx.Module):
 class Decoder(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
-        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                                      param_dtype=param_dtype, rngs=rngs)
-        self.layers = nnx.List([
-            DecoderLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-            for i in range(cfg.num_layers)
-        ])
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DecoderLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.norm_offset, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype,
-                                      param_dtype=param_dtype, rngs=rngs)
+            self.lm_head = nnx.Linear(
+                cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
 
     def embed(self, tokens: jax.Array) -> jax.Array:
         x = self.embed_tokens(tokens)
@@ -118,7 +142,17 @@ class Decoder(nnx.Module):
         return DecoderOutput(logits, aux_hidden, hidden, None if cache is None else tuple(new_cache))
 
 
-def init_cache(cfg: TargetConfig, batch: int, max_len: int, dtype=jnp.float32) -> tuple:
-    """An empty static-size KV cache: per layer (k, v), each [batch, max_len, Hkv, D]."""
-    shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
-    return tuple((jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(cfg.num_layers))
+def embedding_arrays(graphdef, state) -> tuple[np.ndarray, np.ndarray]:
+    """(input embedding [V, H] as the first layer sees it, lm_head weight [V, H] (the embedding
+    when tied)), float32 host copies. Gemma's sqrt(H) scale is applied the way `Decoder.embed`
+    does (cast to the weight dtype first)."""
+    model = nnx.merge(graphdef, state)
+    raw = model.embed_tokens.embedding[...]
+    emb = np.asarray(jax.device_get(raw)).astype(np.float32)
+    cfg = model.config
+    head = (
+        emb if cfg.tie_word_embeddings else np.asarray(jax.device_get(model.lm_head.kernel[...])).astype(np.float32).T
+    )
+    if cfg.embed_scale != 1.0:
+        emb = emb * np.float32(jnp.asarray(cfg.embed_scale, raw.dtype))
+    return emb, head

@@ -15,7 +15,7 @@ from flax import nnx
 
 import kernels
 from kernels import AttentionSpec
-from peagle_jax.config import RopeConfig
+from peagle_jax.config import ACTIVATION_NAMES, RopeConfig
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -23,6 +23,13 @@ ACTIVATIONS = {
     "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
     "gelu": lambda x: jax.nn.gelu(x, approximate=False),
 }
+assert tuple(ACTIVATIONS) == ACTIVATION_NAMES, "config.ACTIVATION_NAMES names what this table implements"
+
+
+# Attention over a KV cache: "decode" = `kernels.decode` (blocks up to the highest filled
+# position: cost follows the filled length); "dense" = one [T, S] mask over every slot (the
+# reference path; bench/decode_bench.py switches between the two). Read at trace time.
+CACHE_ATTENTION = "decode"
 
 
 class RMSNorm(nnx.Module):
@@ -48,51 +55,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Arra
     inv_freq = jnp.asarray(rope.inv_freq(x.shape[-1]))
     freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    scaling = rope.attention_scaling()
+    if scaling != 1.0:  # yarn: transformers scales cos and sin in float32, then casts
+        cos, sin = cos * scaling, sin * scaling
+    cos, sin = cos.astype(x.dtype), sin.astype(x.dtype)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
     return x * cos + rotated * sin
-
-
-def causal_mask(q_pos: jax.Array, k_pos: jax.Array, window: int | None = None) -> jax.Array:
-    """[B, Tq, Tk] visibility by position: k_pos <= q_pos, both valid (>= 0), inside the window."""
-    q = q_pos[:, :, None]
-    k = k_pos[:, None, :]
-    mask = (k <= q) & (k >= 0) & (q >= 0)
-    if window is not None:
-        mask &= q - k < window
-    return mask
-
-
-def dot_attention(
-    q: jax.Array,
-    k: jax.Array,
-    v: jax.Array,
-    mask: jax.Array,
-    *,
-    scale: float,
-    softcap: float | None = None,
-) -> jax.Array:
-    """Dense GQA attention. q [B, Tq, Hq, D], k/v [B, Tk, Hkv, D], mask [B, Tq, Tk] bool.
-
-    Query head h reads kv head h // (Hq // Hkv) (transformers' repeat_kv). Rows with no
-    visible key give 0.
-    """
-    b, tq, hq, d = q.shape
-    hkv = k.shape[2]
-    qg = q.reshape(b, tq, hkv, hq // hkv, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        scores = softcap * jnp.tanh(scores / softcap)
-    m = mask[:, None, None, :, :]
-    scores = jnp.where(m, scores, -jnp.inf)
-    peak = jnp.max(scores, axis=-1, keepdims=True)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0.0)
-    weights = jnp.where(m, jnp.exp(scores - peak), 0.0)
-    denom = jnp.sum(weights, axis=-1, keepdims=True)
-    probs = (weights / jnp.where(denom > 0, denom, 1.0)).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v, preferred_element_type=jnp.float32)
-    return out.reshape(b, tq, hq, d).astype(q.dtype)
 
 
 def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
@@ -107,11 +77,12 @@ def write_kv(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Arra
 
 
 class Attention(nnx.Module):
-    """Multi-head GQA attention with RoPE, optional q/k RMSNorm and bias.
+    """Multi-head GQA attention with RoPE, optional q/k RMSNorm, bias and attention sinks.
 
     `in_features` may differ from the output width (the EAGLE-3 fused layer reads 2H).
     `bias` is for q/k/v; `out_bias` for o_proj (Hugging Face's Llama/Qwen3/Gemma 3 give o_proj
     a bias whenever `attention_bias` is set, so the target passes the same flag to both).
+    `sinks` (GPT-OSS): a learned logit per query head that joins every softmax denominator.
     """
 
     def __init__(
@@ -130,6 +101,7 @@ class Attention(nnx.Module):
         norm_offset: float = 0.0,
         softcap: float | None = None,
         window: int | None = None,
+        sinks: bool = False,
         dtype=jnp.float32,
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
@@ -145,6 +117,9 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset, param_dtype=param_dtype)
             self.k_norm = RMSNorm(head_dim, qk_norm_eps, offset=norm_offset, param_dtype=param_dtype)
         self.qk_norm = qk_norm_eps is not None
+        if sinks:
+            self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype))
+        self.has_sinks = sinks
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope, self.scale, self.softcap, self.window = rope, scale, softcap, window
 
@@ -163,15 +138,17 @@ class Attention(nnx.Module):
         x: jax.Array,
         positions: jax.Array,
         kv_cache: tuple[jax.Array, jax.Array] | None = None,
-        mask: jax.Array | None = None,
+        spec: AttentionSpec | None = None,
+        backend: str = "dense",
     ):
         """Returns (output [B, T, out], new (k, v) cache or None).
 
         Without a cache the keys are this call's tokens; with one, the new keys are written
         at their positions first and the queries read the whole cache (index = position).
-        `mask` [B, T, keys] replaces the positional causal mask (the drafter's COD rule); a
-        `kernels.AttentionSpec` instead runs `kernels.attention` on its row metadata (no
-        [T, T] mask is ever built: the long-sequence training path).
+        Attention is `kernels.attention` with `backend`: by default the positional causal rule
+        (sliding window included); `spec` replaces it (the drafter's COD rows: the P-EAGLE rule
+        from per-row metadata; with backend "auto" no [T, T] mask is ever built). Over a cache
+        with the positional rule, `kernels.decode` reads only the filled blocks (CACHE_ATTENTION).
         """
         q, k, v = self.project(x, positions)
         if kv_cache is None:
@@ -180,13 +157,20 @@ class Attention(nnx.Module):
             keys = write_kv(kv_cache[0], k, positions)
             values = write_kv(kv_cache[1], v, positions)
             k_pos = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
-        if isinstance(mask, AttentionSpec):  # per-row metadata: blockwise / Pallas kernels
-            spec = dataclasses.replace(mask, scale=self.scale, softcap=self.softcap)
-            out = kernels.attention(q, keys, values, spec)
+        sinks = self.sinks[...] if self.has_sinks else None
+        if kv_cache is not None and spec is None and CACHE_ATTENTION == "decode":
+            # over a cache: read only the blocks up to the batch's highest position (or inside the
+            # window), so a step's cost follows the filled length, not the cache's capacity
+            out = kernels.decode.attention(
+                q, keys, values, positions, scale=self.scale, softcap=self.softcap, sinks=sinks, window=self.window
+            )
         else:
-            if mask is None:
-                mask = causal_mask(positions, k_pos, self.window)
-            out = dot_attention(q, keys, values, mask, scale=self.scale, softcap=self.softcap)
+            if spec is None:
+                spec = AttentionSpec.causal(
+                    positions, k_pos, q_valid=positions >= 0, kv_valid=k_pos >= 0, sliding_window=self.window
+                )
+            spec = dataclasses.replace(spec, scale=self.scale, softcap=self.softcap)
+            out = kernels.attention(q, keys, values, spec, sinks=sinks, backend=backend)
         b, t = x.shape[:2]
         new_cache = None if kv_cache is None else (keys, values)
         return self.o_proj(out.reshape(b, t, -1)), new_cache
@@ -195,8 +179,17 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU for Llama/Qwen, GeGLU for Gemma."""
 
-    def __init__(self, hidden: int, intermediate: int, act: str, *, bias: bool = False,
-                 dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        act: str,
+        *,
+        bias: bool = False,
+        dtype=jnp.float32,
+        param_dtype=jnp.float32,
+        rngs: nnx.Rngs,
+    ):
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
 

@@ -5,13 +5,13 @@
 ``source`` is one of:
 
 ``"mtbench"``
-    The 80 MT-Bench questions (FastChat, Apache-2.0, vendored in ``infer/data``). Only the
+    The 80 MT-Bench questions (FastChat, Apache-2.0, vendored in ``peagle_jax/data``). Only the
     **first user turn** of each question becomes a conversation: the second turn is a follow-up
     to the model's own first answer, which a prompt set fixed ahead of generation does not have,
     and the first turns alone cover all 8 categories (writing, roleplay, reasoning, math,
     coding, extraction, stem, humanities; 10 each). File order (question_id 81..160).
 ``"humaneval"``
-    The 164 HumanEval problems (OpenAI, MIT, vendored in ``infer/data``), each as one user turn::
+    The 164 HumanEval problems (OpenAI, MIT, vendored in ``peagle_jax/data``), each as one user turn::
 
         Complete the following Python function:
         ```python
@@ -26,12 +26,7 @@ a path to a JSONL file
     (used as given), or ``{"turns": [str, ...]}`` (MT-Bench style: the first turn becomes one
     user turn, as for ``"mtbench"``). Other keys are ignored. A malformed row raises
     ``ValueError`` naming the file and the 1-based line number.
-
-``encode_conversation(tokenizer, messages)`` turns a conversation into token ids: the
-tokenizer's chat template with ``add_generation_prompt=True`` when it has one, else the message
-contents joined by newlines and tokenized plainly (special tokens such as BOS added as the
-tokenizer does by default). Gemma-3-270M base (``python -m peagle_jax.assets gemma3-270m``) has
-no chat template, so it gets the plain form.
+Tokenization is `peagle_jax.chat`.
 """
 
 from __future__ import annotations
@@ -40,9 +35,12 @@ import gzip
 import json
 import os
 import pathlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["DATA_DIR", "PROMPT_SETS", "encode_conversation", "load_prompts"]
+from peagle_jax.chat import Conversation, user_turn
+
+__all__ = ["DATA_DIR", "PROMPT_SETS", "load_prompts"]
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
 MTBENCH_FILE = DATA_DIR / "mt_bench_questions.jsonl"
@@ -50,9 +48,6 @@ HUMANEVAL_FILE = DATA_DIR / "HumanEval.jsonl.gz"
 PROMPT_SETS = ("mtbench", "humaneval")
 
 HUMANEVAL_TEMPLATE = "Complete the following Python function:\n```python\n{prompt}```"
-
-Message = dict[str, str]
-Conversation = list[Message]
 
 
 def _json_rows(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
@@ -71,10 +66,6 @@ def _json_rows(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
         raise ValueError(f"{path}: not UTF-8 text ({e})") from None
 
 
-def _user(content: str) -> Conversation:
-    return [{"role": "user", "content": content}]
-
-
 def _row_to_conversation(row: Any, where: str) -> Conversation:
     if not isinstance(row, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
@@ -87,17 +78,21 @@ def _row_to_conversation(row: Any, where: str) -> Conversation:
     if key == "prompt":
         if not isinstance(value, str) or not value:
             raise ValueError(f"{where}: 'prompt' must be a non-empty string")
-        return _user(value)
+        return user_turn(value)
     if key == "turns":
         if not isinstance(value, list) or not value or not all(isinstance(t, str) and t for t in value):
             raise ValueError(f"{where}: 'turns' must be a non-empty list of non-empty strings")
-        return _user(value[0])
+        return user_turn(value[0])
     if not isinstance(value, list) or not value:
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{'role', 'content'}} objects")
     messages: Conversation = []
     for i, m in enumerate(value):
-        if (not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]
-                or not isinstance(m.get("content"), str)):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not m["role"]
+            or not isinstance(m.get("content"), str)
+        ):
             raise ValueError(f"{where}: messages[{i}] must be an object with string 'role' and 'content'")
         messages.append({"role": m["role"], "content": m["content"]})
     return messages
@@ -116,7 +111,7 @@ def _load_humaneval() -> list[Conversation]:
         prompt = row.get("prompt") if isinstance(row, dict) else None
         if not isinstance(prompt, str) or not prompt:
             raise ValueError(f"{HUMANEVAL_FILE}:{lineno}: no 'prompt' string")
-        out.append(_user(HUMANEVAL_TEMPLATE.format(prompt=prompt)))
+        out.append(user_turn(HUMANEVAL_TEMPLATE.format(prompt=prompt)))
     return out
 
 
@@ -136,26 +131,8 @@ def load_prompts(source: str | os.PathLike, limit: int | None = None) -> list[Co
     else:
         path = pathlib.Path(name).expanduser()
         if not path.is_file():
-            raise ValueError(f"prompt source {name!r} is neither one of {', '.join(PROMPT_SETS)} "
-                             f"nor an existing JSONL file")
+            raise ValueError(
+                f"prompt source {name!r} is neither one of {', '.join(PROMPT_SETS)} nor an existing JSONL file"
+            )
         conversations = _load_jsonl(path)
     return conversations if limit is None else conversations[:limit]
-
-
-def encode_conversation(tokenizer, messages: Conversation | str) -> list[int]:
-    """Token ids of a conversation (a string is one user turn): the chat template with
-    ``add_generation_prompt=True`` if the tokenizer has one, else the contents joined by
-    newlines, tokenized with the tokenizer's default special tokens (e.g. a leading BOS)."""
-    if isinstance(messages, str):
-        messages = _user(messages)
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding by default
-            ids = ids["input_ids"]
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        if ids and isinstance(ids[0], list):  # a batch of one
-            ids = ids[0]
-        return [int(t) for t in ids]
-    text = "\n".join(m["content"] for m in messages)
-    return [int(t) for t in tokenizer(text)["input_ids"]]

@@ -1,0 +1,100 @@
+"""Decode step and speculative round time against the filled length of a fixed KV cache.
+
+Gemma-3-270M, float32, a 32k-slot cache (per layer [B, 32768, 1, 256]); the cache holds
+`filled` tokens (the state's length is set directly: the cost of a step does not depend on
+the values, and a real 16k-token prefill would need a [16k, 32k] dense mask). For each filled
+length, side by side in one run: the old path (dense attention over every cache slot) and the
+new one (`kernels.decode`: only the blocks up to the longest filled length, or inside a sliding
+layer's window). The reference row is the same step in a 512-slot cache at 256 filled tokens.
+
+    python bench/decode_bench.py [--filled 256,1024,4096,16384] [--batch 1,4] [--reps 5]
+        [--json bench/results/decode_bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+import peagle_jax as pj
+from peagle_jax import speculative as sp
+from peagle_jax.assets import prepare
+from peagle_jax.folders import atomic_write_text
+from peagle_jax.generation import SpeculativeDecoder
+from peagle_jax.models import layers
+
+CACHE = 32768
+
+
+def step_ms(dec: SpeculativeDecoder, batch: int, filled: int, reps: int) -> float:
+    """Median ms of one jitted round (mode none: one decode step) with `filled` tokens cached."""
+    cfg, _, state = dec.start([[2, 3, 4, 5]] * batch, max_new_tokens=4)
+    length = jnp.full_like(state.length, filled)
+    state = state._replace(length=length, budget=jnp.full_like(state.budget, 10**6))
+    mods = dec.modules()
+    state = jax.block_until_ready(sp.jit_round(cfg, *mods, state))  # compile
+    times = []
+    for _ in range(reps):
+        state = state._replace(length=length)  # stay at `filled`
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(sp.jit_round(cfg, *mods, state))
+        times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)
+
+
+def measure(target, drafter, batches, filled_lengths, reps) -> list[dict]:
+    rows = []
+    for batch in batches:
+        for mode, k in (("none", 0), ("parallel", 7)):
+            for path in ("dense", "decode"):
+                layers.CACHE_ATTENTION = path
+                jax.clear_caches()
+                small = SpeculativeDecoder(target, drafter, k=max(k, 1), mode=mode, cache_len=512, deep_k="warn")
+                big = SpeculativeDecoder(target, drafter, k=max(k, 1), mode=mode, cache_len=CACHE, deep_k="warn")
+                ref = step_ms(small, batch, 256, reps)
+                for filled in filled_lengths:
+                    ms = step_ms(big, batch, filled, reps)
+                    rows.append(
+                        {
+                            "batch": batch,
+                            "mode": mode,
+                            "k": k,
+                            "path": path,
+                            "filled": filled,
+                            "cache": CACHE,
+                            "ms": ms,
+                            "ms_in_512_cache_at_256": ref,
+                            "ratio_to_512_cache": ms / ref,
+                        }
+                    )
+                    print(
+                        f"batch {batch} {mode:<8} {path:<6} filled {filled:>6}: {ms:8.1f} ms "
+                        f"({ms / ref:.2f}x the 512-slot cache)",
+                        flush=True,
+                    )
+    layers.CACHE_ATTENTION = "decode"
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--filled", default="256,1024,4096,16384")
+    ap.add_argument("--batch", default="1,4")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default="bench/results/decode_bench.json")
+    args = ap.parse_args()
+    target = pj.load_target(prepare("gemma3-270m"), dtype="float32")
+    drafter = pj.new_drafter(target, mode="parallel", draft_vocab=list(range(32768)), seed=0)
+    rows = measure(
+        target, drafter, [int(b) for b in args.batch.split(",")], [int(f) for f in args.filled.split(",")], args.reps
+    )
+    atomic_write_text(args.json, json.dumps({"device": str(jax.devices()[0]), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""What every command line of the project shares: one-line usage errors."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+
+class UsageError(Exception):
+    """A command line that cannot be parsed (exit status 2)."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage errors raise `UsageError` with one line (`PROG: message (see
+    --help)`) instead of printing the whole usage block; subparsers inherit it."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def one_line(text) -> str:
+    """A message folded onto one line (exception texts may hold newlines)."""
+    return " ".join(str(text).split())
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"terminated by signal {signum}")
+
+
+def terminate_as_interrupt() -> None:
+    """SIGTERM raises KeyboardInterrupt, so `finally` blocks run and a half-written folder is
+    removed (the default SIGTERM kills the process on the spot). Call it at the start of a CLI."""
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every real default; flags (False) and unset options (None) stay quiet."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def run(argv, parse: Callable, work: Callable, *, failure_code: Callable = lambda args: 1) -> int:
+    """The shared frame of every CLI: parse (usage errors: one line, exit 2), then do the work
+    with SIGTERM as an interrupt (exit 130, temporaries removed); any failure of the work is one
+    `error: ...` line (the exception type named when it is not a ValueError / OSError / KeyError)
+    and exit `failure_code(args)` (1; `inspect` says 2). PEAGLE_DEBUG=1 re-raises instead."""
+    try:
+        args = parse(argv)
+    except UsageError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except SystemExit as err:  # --help
+        return int(err.code or 0)
+    try:
+        terminate_as_interrupt()
+        return int(work(args) or 0)
+    except UsageError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - every failure is one line
+        if os.environ.get("PEAGLE_DEBUG"):
+            raise
+        msg = one_line(err) or type(err).__name__
+        known = isinstance(err, (ValueError, OSError, KeyError))
+        print(f"error: {msg}" if known else f"error: {type(err).__name__}: {msg}", file=sys.stderr)
+        return failure_code(args)

@@ -1,0 +1,453 @@
+"""config.json of vLLM-native and speculators drafter heads <-> `DrafterConfig` (reference/peagle.md section 6).
+
+`head_facts` reads a head's config.json once, leniently: what it says and where it says it (the
+layer config's location, mask-id keys, aux ids at the top level or in `eagle_config`, K hints,
+verifier, norm flags). The strict reader (`drafter_config`, `read_vllm_config`,
+`read_speculators_config`) validates those facts into a DrafterConfig and raises ConfigError
+naming the file and key; the checkpoint lint (`peagle_jax.inspect`) turns the same facts into
+problems and warnings. `vllm_config` / `speculators_config` write them back. Constants: the
+vLLM architectures of heads, speculators types, MASK_ID_KEYS, AUX_KEY, LAYER_FLAGS.
+
+Semantics taken from vLLM (the serving contract) where the tools differ:
+- `norm_before_residual` missing from a speculators config defaults to True for "eagle3" and
+  False for "peagle" (vLLM's speculators config translation); missing from a vLLM-native config it is False.
+- `norm_before_fc` is read from `eagle_config` first, then the top level (vLLM).
+- speculators `fc_norm` / `norm_output`: vLLM builds the head from `transformer_layer_config`, and
+  its peagle translation does not forward these top-level keys, so they are written in both places
+  and read from the layer config first (the two must agree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from peagle_jax.config import NUM_AUX, ConfigError, DrafterConfig, RopeConfig, validate_aux_layer_ids
+from peagle_jax.dtypes import EXPORT, dtype_name
+from peagle_jax.models.registry import ARCHITECTURES, architecture_of
+
+__all__ = [
+    "HeadFacts",
+    "head_facts",
+    "drafter_config",
+    "read_vllm_config",
+    "read_speculators_config",
+    "vllm_config",
+    "speculators_config",
+    "rope_params",
+]
+
+# vLLM registry names of EAGLE-3 style heads -> whether the layers are Qwen3 (q/k norms)
+VLLM_ARCHITECTURES = {
+    **dict.fromkeys(("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "PeagleLlamaForCausalLM"), False),
+    **dict.fromkeys(("Eagle3Qwen3ForCausalLM", "PeagleQwen3ForCausalLM"), True),
+}
+SPECULATORS_TYPES = {"peagle": "parallel", "eagle3": "chain"}
+SPECULATORS_ARCH = {"peagle": "PEagleSpeculator", "eagle3": "Eagle3Speculator"}
+SPECULATORS_VERSION = "0.9.0"
+MASK_ID_KEYS = ("mask_token_id", "pard_token", "ptd_token_id")  # vLLM releases read different ones
+AUX_KEY = "eagle_aux_hidden_state_layer_ids"
+AUX_INNER = f"eagle_config.{AUX_KEY}"
+LAYER_FLAGS = ("fc_norm", "norm_output")  # speculators: top level and inside transformer_layer_config
+SIZE_KEYS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+EXTRA_KEY = "peagle_jax"  # our own fields in a vLLM config.json (mode, k_train, ...)
+DEFAULT_K_TRAIN = 8  # COD depth of the reference recipe, recorded when a head names none
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadFacts:
+    """What a vLLM / speculators config.json says, as written (absent keys left out or None)."""
+
+    where: str  # the config file, for messages
+    fmt: str  # "vllm" | "speculators"
+    kind: str  # the vLLM architecture name, or the speculators_model_type
+    layer: dict  # the Llama layer fields: the config itself (vLLM) or transformer_layer_config
+    layer_where: str
+    sizes: dict  # SIZE_KEYS -> positive int (checked: without them a config is no head)
+    mode: str | None  # when the config says (speculators type, our extra); None: by the mask id
+    mask_ids: dict  # mask-id key -> value, over the keys this format reads
+    aux_ids: dict  # AUX_KEY / AUX_INNER -> value
+    draft_vocab_size: object
+    target_hidden_size: object
+    k_hints: dict  # every recorded depth: speculative_tokens, k_train, num_speculative_tokens, ...
+    k_train: object  # the trained depth the strict reader records
+    verifier: object  # the target's name or path
+    target_family: str | None
+    norm_before_residual: object  # as written, else vLLM's default for this format and kind
+    norm_before_fc: object
+    layer_flags: dict  # LAYER_FLAGS name -> {"top": value, "layer": value}, places present only
+    use_aux_hidden_state: object
+
+    @property
+    def mask_id(self):
+        return next(iter(self.mask_ids.values()), None)
+
+    @property
+    def aux(self):
+        """The aux ids vLLM uses: the top-level key, else the one inside eagle_config."""
+        return self.aux_ids.get(AUX_KEY, self.aux_ids.get(AUX_INNER))
+
+    def flag(self, name: str):
+        """A layer flag's value as vLLM builds the head: the layer config's, else the top level's."""
+        places = self.layer_flags.get(name, {})
+        return places.get("layer", places.get("top", False))
+
+    def conflicts(self) -> list[str]:
+        """Facts the config states twice, differently (the strict reader raises on the first)."""
+        out = []
+        if len({str(v) for v in self.mask_ids.values()}) > 1:
+            out.append(f"the mask token keys disagree: {self.mask_ids}")
+        if len(self.aux_ids) == 2 and self.aux_ids[AUX_KEY] != self.aux_ids[AUX_INNER]:
+            out.append(f"{AUX_KEY!r} {self.aux_ids[AUX_KEY]} differs from {AUX_INNER!r} {self.aux_ids[AUX_INNER]}")
+        for name, places in self.layer_flags.items():
+            if len(places) == 2 and places["top"] != places["layer"]:
+                out.append(
+                    f"key {name!r} is {places['top']!r} at the top level but {places['layer']!r} in "
+                    "'transformer_layer_config'"
+                )
+        return out
+
+
+def head_facts(raw: dict, where: str) -> HeadFacts:
+    """The facts of a head's config.json. ConfigError naming `where` when it is no head at all:
+    an unknown architecture or speculators type, no layer config, or a missing layer size."""
+    if "speculators_model_type" in raw:
+        kind = raw["speculators_model_type"]
+        if kind not in SPECULATORS_TYPES:
+            raise ConfigError(
+                f"{where}: key 'speculators_model_type' is {kind!r} (supported: {', '.join(SPECULATORS_TYPES)})"
+            )
+        layer = raw.get("transformer_layer_config")
+        if not isinstance(layer, dict):
+            raise ConfigError(f"{where}: missing key 'transformer_layer_config'")
+        return _speculators_facts(raw, where, kind, layer)
+    arch = raw.get("architectures") or []
+    known = [a for a in arch if a in VLLM_ARCHITECTURES] if isinstance(arch, list) else []
+    if not known:
+        raise ConfigError(
+            f"{where}: key 'architectures' is {arch!r}, not a drafter head "
+            f"(known: {', '.join(VLLM_ARCHITECTURES)}, or a speculators config)"
+        )
+    return _vllm_facts(raw, where, known[0])
+
+
+def _sizes(layer: dict, where: str) -> dict:
+    out = {}
+    for key in SIZE_KEYS:
+        value = layer.get(key)
+        if value is None:
+            raise ConfigError(f"{where}: missing key {key!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where}: key {key!r} has invalid value {value!r} (a positive int)")
+        out[key] = value
+    return out
+
+
+def _dict(raw: dict, key: str, where: str) -> dict:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: key {key!r} must be a dict")
+    return value
+
+
+def _present(cfg: dict, keys) -> dict:
+    return {k: cfg[k] for k in keys if cfg.get(k) is not None}
+
+
+def _k_hints(raw: dict, extra: dict, first_method: dict) -> dict:
+    hints = {}
+    if first_method.get("speculative_tokens") is not None:
+        hints["speculative_tokens"] = first_method["speculative_tokens"]
+    if extra.get("k_train") is not None:
+        hints["k_train"] = extra["k_train"]
+    hints.update(_present(raw, ("num_speculative_tokens", "parallel_drafting_k", "k_train")))
+    return hints
+
+
+def _vllm_facts(raw: dict, where: str, arch: str) -> HeadFacts:
+    eagle = _dict(raw, "eagle_config", where)
+    extra = _dict(raw, EXTRA_KEY, where)
+    aux = {k: v for k, v in ((AUX_KEY, raw.get(AUX_KEY)), (AUX_INNER, eagle.get(AUX_KEY))) if v is not None}
+    return HeadFacts(
+        where=where,
+        fmt="vllm",
+        kind=arch,
+        layer=raw,
+        layer_where=where,
+        sizes=_sizes(raw, where),
+        mode=extra.get("mode"),
+        mask_ids=_present(raw, MASK_ID_KEYS),
+        aux_ids=aux,
+        draft_vocab_size=raw.get("draft_vocab_size"),
+        target_hidden_size=raw.get("target_hidden_size"),
+        k_hints=_k_hints(raw, extra, {}),
+        k_train=extra.get("k_train"),
+        verifier=extra.get("verifier"),
+        target_family=extra.get("target_model_type"),
+        norm_before_residual=raw.get("norm_before_residual", False),
+        norm_before_fc=eagle.get("norm_before_fc", raw.get("norm_before_fc", False)),
+        layer_flags={n: {"top": raw[n]} for n in LAYER_FLAGS if n in raw},
+        use_aux_hidden_state=eagle.get("use_aux_hidden_state"),
+    )
+
+
+def _speculators_facts(raw: dict, where: str, kind: str, layer: dict) -> HeadFacts:
+    layer_where = f"{where} key 'transformer_layer_config'"
+    spec = _dict(raw, "speculators_config", where)
+    methods = spec.get("proposal_methods") or [{}]
+    first = methods[0] if isinstance(methods, list) and isinstance(methods[0], dict) else {}
+    verifier = spec.get("verifier") if isinstance(spec.get("verifier"), dict) else {}
+    archs = verifier.get("architectures") or []
+    flags = {}
+    for name in LAYER_FLAGS:
+        places = {p: cfg[name] for p, cfg in (("top", raw), ("layer", layer)) if cfg.get(name) is not None}
+        if places:
+            flags[name] = places
+    nbr = raw.get("norm_before_residual")
+    return HeadFacts(
+        where=where,
+        fmt="speculators",
+        kind=kind,
+        layer=layer,
+        layer_where=layer_where,
+        sizes=_sizes(layer, layer_where),
+        mode=SPECULATORS_TYPES[kind],
+        mask_ids=_present(raw, ("mask_token_id",)),
+        aux_ids=_present(raw, (AUX_KEY,)),
+        draft_vocab_size=raw.get("draft_vocab_size"),
+        target_hidden_size=raw.get("target_hidden_size"),
+        k_hints=_k_hints(raw, {}, first),
+        k_train=first.get("speculative_tokens"),
+        verifier=verifier.get("name_or_path"),
+        target_family=next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None),
+        norm_before_residual=(kind == "eagle3") if nbr is None else nbr,
+        norm_before_fc=raw.get("norm_before_fc", False),
+        layer_flags=flags,
+        use_aux_hidden_state=None,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# strict: facts -> DrafterConfig
+def _bool(value, where: str, key: str) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}: key {key!r} must be true or false, got {value!r}")
+    return value
+
+
+def _int(value, where: str, key: str, default=None):
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{where}: key {key!r} has invalid value {value!r} (a non-negative int)")
+    return value
+
+
+def rope_params(cfg: dict, where: str, *, flat: bool = False) -> dict:
+    """The one rope dict of a config: v5 `rope_parameters` (for a per-layer-type dict, its
+    `full_attention` entry, unless `flat` refuses those) or the older `rope_scaling` + `rope_theta`."""
+    params = cfg.get("rope_parameters")
+    if params is not None:
+        if not isinstance(params, dict) or (flat and "full_attention" in params):
+            raise ConfigError(f"{where}: key 'rope_parameters' must be one flat rope dict")
+        params = params.get("full_attention", params)
+        return {"rope_theta": cfg.get("rope_theta", 10000.0), **params}
+    scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{where}: key 'rope_scaling' must be a dict or null")
+    return {**scaling, "rope_theta": cfg.get("rope_theta", 10000.0)}
+
+
+def _layer_fields(f: HeadFacts) -> dict:
+    """The Llama-layer fields of DrafterConfig, shared by both layouts."""
+    tl, where, s = f.layer, f.layer_where, f.sizes
+    if tl.get("mlp_bias"):
+        raise ConfigError(f"{where}: key 'mlp_bias' is true; drafter MLPs have no bias (vLLM Llama heads)")
+    if tl.get("use_sliding_window") or "sliding_attention" in (tl.get("layer_types") or []):
+        raise ConfigError(
+            f"{where}: sliding-window drafter layers are unsupported (all drafter layers are full "
+            "attention, as vLLM serves them)"
+        )
+    rope_key = "rope_parameters" if tl.get("rope_parameters") is not None else "rope_scaling"
+    hidden, heads = s["hidden_size"], s["num_attention_heads"]
+    return dict(
+        hidden_size=hidden,
+        num_layers=s["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=_int(tl.get("num_key_value_heads"), where, "num_key_value_heads", heads),
+        head_dim=_int(tl.get("head_dim"), where, "head_dim", hidden // heads),
+        intermediate_size=s["intermediate_size"],
+        vocab_size=s["vocab_size"],
+        rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)),
+        rope=RopeConfig.from_dict(rope_params(tl, where, flat=True), 10000.0, f"{where} key {rope_key!r}"),
+        max_position_embeddings=_int(tl.get("max_position_embeddings"), where, "max_position_embeddings", 2048),
+        attention_bias=_bool(tl.get("attention_bias"), where, "attention_bias"),
+        hidden_act=tl.get("hidden_act", "silu"),
+    )
+
+
+def _qk_norm(f: HeadFacts) -> bool:
+    if f.fmt == "vllm":
+        return VLLM_ARCHITECTURES[f.kind]
+    tl_type = f.layer.get("model_type", "llama")
+    if tl_type not in ("llama", "qwen3"):
+        raise ConfigError(f"{f.layer_where}: model_type {tl_type!r} unsupported (llama, qwen3)")
+    return tl_type == "qwen3"
+
+
+def _aux(f: HeadFacts):
+    for key, value in f.aux_ids.items():
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{f.where}: key {key!r} must list {NUM_AUX} layer ids, got {value!r}")
+        validate_aux_layer_ids(value, where=f"{f.where} key {key!r}")
+    return None if f.aux is None else tuple(f.aux)
+
+
+def drafter_config(f: HeadFacts) -> DrafterConfig:
+    """The DrafterConfig of a head's facts; ConfigError naming the file and key on anything
+    invalid. aux_layer_ids stay None when the config names none (see `drafter_io.read_drafter`)."""
+    conflicts = f.conflicts()
+    if conflicts:
+        raise ConfigError(f"{f.where}: {conflicts[0]}")
+    if f.use_aux_hidden_state is False:
+        raise ConfigError(
+            f"{f.where}: key 'eagle_config.use_aux_hidden_state' is false (EAGLE-1 heads are unsupported)"
+        )
+    layer = _layer_fields(f)
+    key = next(iter(f.mask_ids), "mask_token_id")
+    mask_id = _int(f.mask_id, f.where, key)
+    if f.fmt == "speculators" and f.mode == "parallel" and mask_id is None:
+        raise ConfigError(f"{f.where}: missing key 'mask_token_id' (required for a peagle head)")
+    flags = {
+        n: _bool(f.flag(n), f.layer_where if "layer" in f.layer_flags.get(n, {}) else f.where, n) for n in LAYER_FLAGS
+    }
+    try:
+        return DrafterConfig(
+            **layer,
+            target_hidden_size=_int(f.target_hidden_size, f.where, "target_hidden_size") or layer["hidden_size"],
+            draft_vocab_size=_int(f.draft_vocab_size, f.where, "draft_vocab_size") or layer["vocab_size"],
+            mode=f.mode or ("parallel" if mask_id is not None else "chain"),
+            mask_token_id=mask_id,
+            aux_layer_ids=_aux(f),
+            k_train=_int(f.k_train, f.where, "k_train"),
+            norm_before_residual=_bool(f.norm_before_residual, f.where, "norm_before_residual"),
+            norm_before_fc=_bool(f.norm_before_fc, f.where, "norm_before_fc"),
+            qk_norm=_qk_norm(f),
+            target_model_type=f.target_family,
+            verifier=f.verifier,
+            **flags,
+        )
+    except ConfigError as err:
+        raise ConfigError(f"{f.where}: {err}") from None
+
+
+def read_vllm_config(raw: dict, where: str) -> DrafterConfig:
+    """DrafterConfig of a vLLM-native head's config.json (ConfigError naming `where` and the key)."""
+    facts = head_facts(raw, where)
+    if facts.fmt != "vllm":
+        raise ConfigError(f"{where}: a speculators config, not a vLLM-native one")
+    return drafter_config(facts)
+
+
+def read_speculators_config(raw: dict, where: str) -> DrafterConfig:
+    """DrafterConfig of a speculators config.json (ConfigError naming `where` and the key)."""
+    if "speculators_model_type" not in raw:
+        raise ConfigError(f"{where}: missing key 'speculators_model_type'")
+    return drafter_config(head_facts(raw, where))
+
+
+# ---------------------------------------------------------------------------------------
+# writers
+def _rope_fields(rope: RopeConfig) -> dict:
+    hf = rope.to_hf()
+    scaling = None if rope.type == "default" else {k: v for k, v in hf.items() if k != "rope_theta"}
+    return {"rope_theta": rope.theta, "rope_scaling": scaling, "rope_parameters": hf}
+
+
+def _llama_fields(c: DrafterConfig) -> dict:
+    return {
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        **_rope_fields(c.rope),
+        "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.vocab_size,
+        "hidden_act": c.hidden_act,
+        "attention_bias": c.attention_bias,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
+    """The config.json of the vLLM-native layout (`LlamaForCausalLMEagle3`)."""
+    if c.qk_norm:
+        raise ConfigError(
+            "export_vllm: this head has q/k norms (a Qwen3 layer config), which vLLM's "
+            "Llama EAGLE-3 layout cannot hold; export the speculators layout instead"
+        )
+    out = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        **_llama_fields(c),
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
+        "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output,
+        "eagle_config": {"use_aux_hidden_state": True, "norm_before_fc": c.norm_before_fc},
+        "torch_dtype": dtype_name(dtype, EXPORT),
+        EXTRA_KEY: dict(mode=c.mode, k_train=c.k_train, target_model_type=c.target_model_type, verifier=c.verifier),
+    }
+    if c.aux_layer_ids is not None:
+        out[AUX_KEY] = list(c.aux_layer_ids)
+        out["eagle_config"][AUX_KEY] = list(c.aux_layer_ids)
+    if c.mask_token_id is not None:
+        out.update({k: c.mask_token_id for k in MASK_ID_KEYS})
+    return out
+
+
+def speculators_config(c: DrafterConfig, dtype="bfloat16", verifier: str | None = None) -> dict:
+    """The config.json of the speculators layout; `verifier` overrides the recorded target."""
+    kind = "peagle" if c.mode == "parallel" else "eagle3"
+    flags = {"fc_norm": c.fc_norm, "norm_output": c.norm_output}
+    tl = {"model_type": "qwen3" if c.qk_norm else "llama", **_llama_fields(c), **flags}
+    tl.pop("rope_scaling")
+    tl.pop("rope_theta")
+    arch = architecture_of(c.target_model_type)
+    k = c.k_train or DEFAULT_K_TRAIN
+    out = {
+        "architectures": [SPECULATORS_ARCH[kind]],
+        "speculators_model_type": kind,
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": tl,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
+        **flags,
+        "embed_requires_grad": True,
+        "tie_word_embeddings": False,
+        AUX_KEY: None if c.aux_layer_ids is None else list(c.aux_layer_ids),
+        "speculators_config": {
+            "algorithm": kind,
+            "proposal_methods": [
+                dict(proposal_type="greedy", speculative_tokens=k, accept_tolerance=0.0, verifier_accept_k=1)
+            ],
+            "default_proposal_method": "greedy",
+            "verifier": {
+                "name_or_path": verifier if verifier is not None else c.verifier,
+                "architectures": [arch] if arch else [],
+            },
+        },
+        "dtype": dtype_name(dtype, EXPORT),
+    }
+    if c.mask_token_id is not None:
+        out["mask_token_id"] = c.mask_token_id
+    return out

@@ -1,0 +1,359 @@
+"""The EAGLE-3 / P-EAGLE drafter network (reference/peagle.md section 3), its COD-row
+forward for training, its draft-vocabulary maps, and its state as arrays.
+
+```
+g   = fc(aux)                                   # [.., 3*Ht] -> [.., H]; optional norms before fc
+layer 0 (fused):  z = concat(input_layernorm(embed(x)), hidden_norm(g))   # width 2H
+                  h = res + o_proj(attn(q, k, v = proj(z)))  # res = g (hidden_norm(g) if norm_before_residual)
+                  h = h + mlp(post_attention_layernorm(h))
+layers 1..N-1:    plain pre-norm Llama blocks
+logits = lm_head(norm(h))                       # [.., Vd]; target id = draft id + d2t[draft id]
+```
+One module serves both modes: "parallel" (P-EAGLE: masked slots read `mask_token_id` and
+`mask_g() = fuse(mask_hidden)`) and "chain" (EAGLE-3: each later step feeds the drafter's
+own last hidden state back as g, bypassing fc; see `DrafterModel.feedback`).
+
+Parameter names follow the checkpoint keys (`layers.0.*` is vLLM's `midlayer.*`), so the
+import/export maps in `peagle_jax.drafter_io` are one line per tensor. A drafter's state as
+plain arrays is `{path tuple: array}` (`flat_state`, `state_from_arrays`, `init_arrays`): the
+form every checkpoint format reads and writes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import kernels
+from peagle_jax.config import NUM_AUX, DrafterConfig
+from peagle_jax.dtypes import numpy_dtype
+from peagle_jax.models.layers import MLP, Attention, RMSNorm
+
+
+# ---------------------------------------------------------------------------------------
+# the network
+class VocabMap(nnx.Variable):
+    """A non-trainable int variable (the draft -> target id offsets `d2t`)."""
+
+
+class DrafterOutput(NamedTuple):
+    logits: jax.Array  # [B, T, Vd] float32
+    prenorm: jax.Array  # [B, T, H] last layer output before the final norm
+    cache: tuple | None  # per layer (k, v) [B, S, Hkv, D]
+
+
+class DrafterLayer(nnx.Module):
+    """Layer 0 (`fused=True`): q/k/v read concat(input_layernorm(embed), hidden_norm(g)).
+    Later layers: the plain pre-norm Llama block."""
+
+    def __init__(self, cfg: DrafterConfig, fused: bool, *, dtype, param_dtype, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+
+        def norm():
+            return RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
+
+        self.fused = fused
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = norm()
+        if fused:
+            self.hidden_norm = norm()
+        self.self_attn = Attention(
+            2 * h if fused else h,
+            h,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rope=cfg.rope,
+            scale=cfg.attn_scale,
+            bias=cfg.attention_bias,
+            out_bias=cfg.attention_bias,
+            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.post_attention_layernorm = norm()
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, kv_cache=None, spec=None, backend="dense", embeds=None):
+        if self.fused:
+            hn = self.hidden_norm(x)
+            residual = hn if self.norm_before_residual else x
+            z = jnp.concatenate([self.input_layernorm(embeds).astype(hn.dtype), hn], axis=-1)
+        else:
+            residual, z = x, self.input_layernorm(x)
+        attn, kv_cache = self.self_attn(z, positions, kv_cache, spec, backend)
+        x = residual + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+
+class DrafterModel(nnx.Module):
+    """The drafter network. Parameters (checkpoint names): embed_tokens [V, H], fc [3Ht -> H],
+    input_norm [3Ht] (norm_before_fc), fc_norm.{0,1,2} [Ht] (fc_norm), layers.*, norm [H],
+    lm_head [H -> Vd], mask_hidden [1, 1, 3Ht] (mode parallel), d2t [Vd] (VocabMap, int32)."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, h, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(cfg.fc_in, cfg.rms_norm_eps, param_dtype=param_dtype)
+        if cfg.fc_norm:
+            self.fc_norm = nnx.List(
+                [RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype) for _ in range(NUM_AUX)]
+            )
+        self.fc = nnx.Linear(cfg.fc_in, h, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.layers = nnx.List(
+            [DrafterLayer(cfg, i == 0, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = nnx.Linear(
+            h, cfg.draft_vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+        )
+        if cfg.mode == "parallel":
+            self.mask_hidden = nnx.Param(jax.random.normal(rngs.params(), (1, 1, cfg.fc_in), param_dtype))
+        self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
+
+    # -- inputs ------------------------------------------------------------------------
+    def fuse(self, aux: jax.Array) -> jax.Array:
+        """[..., 3*Ht] target aux states -> [..., H] (input_norm / fc_norm, then fc)."""
+        if self.config.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.config.fc_norm:
+            chunks = jnp.split(aux, NUM_AUX, axis=-1)
+            aux = jnp.concatenate([norm(c) for norm, c in zip(self.fc_norm, chunks)], axis=-1)
+        return self.fc(aux)
+
+    def mask_g(self) -> jax.Array:
+        """[H]: the hidden input of every masked (parallel) slot, fuse(mask_hidden)."""
+        if self.config.mode != "parallel":
+            raise ValueError("mask_g: a chain-mode (EAGLE-3) drafter has no mask_hidden")
+        return self.fuse(self.mask_hidden[...])[0, 0]
+
+    def feedback(self, prenorm: jax.Array) -> jax.Array:
+        """The hidden input of the next chain (EAGLE-3) step: the pre-norm state, or its
+        final-norm output when the head was trained with `norm_output` (EAGLE 3.1; vLLM does
+        the same)."""
+        return self.norm(prenorm) if self.config.norm_output else prenorm
+
+    def head(self, prenorm: jax.Array) -> jax.Array:
+        """Draft-vocabulary logits (float32) of pre-norm states: lm_head(norm(prenorm)).
+        Callers that need a few rows gather them first (the [T, Vd] product dominates)."""
+        return self.lm_head(self.norm(prenorm)).astype(jnp.float32)
+
+    @property
+    def t2d(self) -> jax.Array:
+        return t2d_from_d2t(self.d2t[...], self.config.vocab_size)
+
+    # -- forward -----------------------------------------------------------------------
+    def __call__(
+        self,
+        tokens: jax.Array,
+        g: jax.Array,
+        positions: jax.Array,
+        cache: tuple | None = None,
+        spec: kernels.AttentionSpec | None = None,
+        backend: str = "dense",
+    ) -> DrafterOutput:
+        """tokens [B, T] int, g [B, T, H], positions [B, T] (-1 = padding slot).
+
+        `cache`: per layer (k, v) [B, S, Hkv, D], index = position (written at the
+        positions, read whole, causal by position); None = attend within this call.
+        `spec` (a `kernels.AttentionSpec`) replaces the causal rule, computed by `kernels.attention`
+        with `backend` ("dense" builds the [T, keys] mask; "auto" runs the blockwise / Pallas kernels).
+        """
+        embeds = self.embed_tokens(tokens)
+        x = g.astype(embeds.dtype)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, kv = layer(
+                x, positions, None if cache is None else cache[i], spec, backend, embeds=embeds if i == 0 else None
+            )
+            new_cache.append(kv)
+        logits = self.head(x)
+        return DrafterOutput(logits, x, None if cache is None else tuple(new_cache))
+
+
+def drafter_apply(graphdef, state, tokens, g, positions, cache=None, spec=None) -> DrafterOutput:
+    """Pure form of `DrafterModel.__call__` (jit it with `graphdef` static)."""
+    return nnx.merge(graphdef, state)(tokens, g, positions, cache, spec)
+
+
+def drafter_fuse(graphdef, state, aux) -> jax.Array:
+    """Pure form of `DrafterModel.fuse`."""
+    return nnx.merge(graphdef, state).fuse(aux)
+
+
+# ---------------------------------------------------------------------------------------
+# vocabulary
+def draft_vocab_ids(d2t):
+    """[Vd] target id of every draft id: arange(Vd) + d2t (numpy in, int64 numpy out;
+    otherwise int32 jax). The one place the d2t offset convention is spelled out."""
+    d2t = d2t[...] if isinstance(d2t, nnx.Variable) else d2t
+    if isinstance(d2t, np.ndarray):
+        return np.arange(d2t.shape[0], dtype=np.int64) + d2t.astype(np.int64)
+    return jnp.arange(d2t.shape[0], dtype=jnp.int32) + jnp.asarray(d2t).astype(jnp.int32)
+
+
+def draft_to_target(d2t, draft_ids: jax.Array) -> jax.Array:
+    """target id = draft id + d2t[draft id] (int32)."""
+    return jnp.take(
+        draft_vocab_ids(jnp.asarray(d2t[...] if isinstance(d2t, nnx.Variable) else d2t)),
+        jnp.asarray(draft_ids).astype(jnp.int32),
+        axis=0,
+    )
+
+
+def t2d_from_d2t(d2t, vocab_size: int):
+    """Bool [V]: which target ids are in the draft vocabulary."""
+    ids = draft_vocab_ids(d2t)
+    if isinstance(ids, np.ndarray):
+        out = np.zeros((vocab_size,), bool)
+        out[ids] = True
+        return out
+    return jnp.zeros((vocab_size,), bool).at[ids].set(True)
+
+
+def check_d2t(d2t: np.ndarray, vocab_size: int, where: str) -> None:
+    """ValueError naming `where` unless d2t maps the draft ids into [0, V) one-to-one."""
+    ids = draft_vocab_ids(np.asarray(d2t))
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size or np.unique(ids).size != ids.size):
+        raise ValueError(f"{where}: d2t maps draft ids outside [0, {vocab_size}) or onto one target id twice")
+
+
+def d2t_from_ids(used: Sequence[int] | np.ndarray) -> np.ndarray:
+    """d2t [Vd] int64 from the sorted target ids of the draft vocabulary."""
+    used = np.asarray(used, np.int64)
+    return used - np.arange(used.shape[0], dtype=np.int64)
+
+
+def select_draft_vocab(token_counts, size: int) -> np.ndarray:
+    """Top-`size` target ids by count (ties: lower id first), sorted by id."""
+    counts = np.asarray(token_counts)
+    if counts.ndim != 1:
+        raise ValueError(f"token_counts must be 1-D [V], got shape {counts.shape}")
+    if not 0 < size <= counts.shape[0]:
+        raise ValueError(f"draft vocab size {size} outside [1, {counts.shape[0]}]")
+    order = np.lexsort((np.arange(counts.shape[0]), -counts.astype(np.float64)))
+    return np.sort(order[:size]).astype(np.int64)
+
+
+# ---------------------------------------------------------------------------------------
+# COD training rows
+def peagle_mask(anchor: jax.Array, depth: jax.Array, doc: jax.Array) -> jax.Array:
+    """The P-EAGLE attention rule as a dense bool mask [..., N, N] (True = query may attend key).
+
+    Query q sees key k when both are in the same document (doc >= 0; -1 = padding) and
+    (depth_k == 0 and anchor_k <= anchor_q) or (anchor_k == anchor_q and depth_k <= depth_q).
+    Dense, so for small N only (tests, short rows); kernels/ computes it block by block.
+    """
+    return kernels.visible(
+        anchor[..., :, None],
+        depth[..., :, None],
+        doc[..., :, None],
+        anchor[..., None, :],
+        depth[..., None, :],
+        doc[..., None, :],
+    )
+
+
+def cod_rows_forward(
+    model: DrafterModel,
+    tokens: jax.Array,
+    aux: jax.Array,
+    anchor: jax.Array,
+    depth: jax.Array,
+    doc: jax.Array,
+    mask: str = "dense",
+) -> jax.Array:
+    """Logits [B, N, Vd] over COD rows, no cache.
+
+    tokens [B, N]: the (already shifted) token at each row's reference position
+    ref = anchor + depth; aux [B, N, 3Ht]: the aux state at ref; anchor, depth, doc [B, N]
+    (doc -1 = padding row). Rows with depth > 0 read `mask_token_id` and `mask_hidden`
+    (selected before fc, so they pass through the same fc and norms); position id = ref;
+    attention = the P-EAGLE rule of `kernels.AttentionSpec.peagle(anchor, depth, doc)`; `mask`
+    "dense" (or None) builds it as one [B, N, N] mask (short rows, tests); "kernels" computes it
+    block by block from the row metadata (`kernels.attention`, backend auto: memory linear in N,
+    the path for long sequences).
+    """
+    cfg = model.config
+    if cfg.mask_token_id is None:
+        raise ValueError("cod_rows_forward: the drafter has no mask_token_id (mode 'chain')")
+    real = depth == 0
+    tok = jnp.where(real, tokens, cfg.mask_token_id)
+    hidden = jnp.where(real[..., None], aux.astype(model.mask_hidden.dtype), model.mask_hidden[...][0])
+    positions = jnp.where(doc >= 0, anchor + depth, -1)
+    if mask not in (None, "dense", "kernels"):
+        raise ValueError(f"cod_rows_forward: mask must be 'dense' or 'kernels', got {mask!r}")
+    spec = kernels.AttentionSpec.peagle(anchor, depth, doc)
+    backend = "auto" if mask == "kernels" else "dense"
+    return model(tok, model.fuse(hidden), positions, None, spec, backend).logits
+
+
+# ---------------------------------------------------------------------------------------
+# state as arrays
+def abstract_drafter(config: DrafterConfig, dtype="float32"):
+    """(graphdef, abstract state) of a DrafterModel: shapes only, nothing allocated."""
+    d = numpy_dtype(dtype)
+    model = nnx.eval_shape(lambda: DrafterModel(config, dtype=d, param_dtype=d, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def flat_state(state) -> dict[tuple, Any]:
+    """{path tuple: Variable} of a drafter state."""
+    return {tuple(path): var for path, var in nnx.to_flat_state(state)}
+
+
+def state_from_arrays(config: DrafterConfig, arrays: dict[tuple, Any], dtype="float32", where: str = ""):
+    """(graphdef, state) with every variable taken from `arrays` {path tuple: array}.
+
+    Float parameters are cast to `dtype`; d2t to int32. Every path must be given with its shape.
+    """
+    d = numpy_dtype(dtype)
+    graphdef, abstract = abstract_drafter(config, d)
+    flat = flat_state(abstract)
+    missing = sorted(".".join(map(str, p)) for p in set(flat) - set(arrays))
+    extra = sorted(".".join(map(str, p)) for p in set(arrays) - set(flat))
+    if missing or extra:
+        raise ValueError(f"{where}drafter state mismatch: missing {missing}, unexpected {extra}")
+    for path, var in flat.items():
+        arr = arrays[path]
+        if tuple(arr.shape) != tuple(var.shape):
+            raise ValueError(
+                f"{where}{'.'.join(map(str, path))}: shape {tuple(arr.shape)}, expected {tuple(var.shape)}"
+            )
+        want = jnp.int32 if isinstance(var, VocabMap) else d
+        flat[path] = var.replace(jnp.asarray(np.asarray(arr), dtype=want))
+    return graphdef, nnx.from_flat_state(list(flat.items()))
+
+
+INIT_STD = 0.02  # transformers' Llama initializer_range (what speculators' fresh heads use)
+
+
+def init_arrays(config: DrafterConfig, seed: int, given: dict | None = None) -> dict[tuple, np.ndarray]:
+    """{path: array} of a fresh DrafterModel, drawn on the host with numpy (an XLA-compiled
+    init takes seconds even for a tiny head): kernels and embeddings ~ N(0, 0.02), norm
+    weights 1, biases 0, mask_hidden ~ N(0, 1), d2t 0. `given` {path: array} supplies some
+    variables (not drawn)."""
+    rng = np.random.default_rng(seed)
+    _, abstract = abstract_drafter(config)
+    arrays = dict(given or {})
+    for path, var in flat_state(abstract).items():
+        name = path[-1]
+        if path in arrays:
+            continue
+        if name in ("kernel", "embedding"):
+            arrays[path] = rng.normal(0.0, INIT_STD, var.shape).astype(np.float32)
+        elif name == "mask_hidden":
+            arrays[path] = rng.standard_normal(var.shape).astype(np.float32)
+        elif name == "weight":  # RMSNorm
+            arrays[path] = np.ones(var.shape, np.float32)
+        else:  # biases, d2t
+            arrays[path] = np.zeros(var.shape, np.float32 if name == "bias" else np.int32)
+    return arrays

@@ -9,7 +9,8 @@ of the whole batch when a sequence is split into segments). `per_depth=True` ins
 averages within each depth, then over the depths that have rows (an early port's variant).
 
 This matches speculators 0.9.0 (`kl_div_loss` + `loss_function`: sum(kl * mask) /
-(sum(mask) + 1e-5)) up to that 1e-5 in the denominator, which is left out here.
+(sum(mask) + 1e-5)) exactly: the same 1e-5 (`eps`) is added to the denominator (it also
+makes a batch with no supervised row give loss 0).
 """
 
 from __future__ import annotations
@@ -50,8 +51,9 @@ def teacher_logits(y: jax.Array, lm_head: jax.Array, d2t: jax.Array, *, softcap:
     targets): only the draft-vocabulary rows are multiplied."""
     ids = jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
     w = jnp.take(lm_head, ids, axis=0)
-    logits = jnp.einsum("...h,vh->...v", y.astype(jnp.float32), w.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
+    logits = jnp.einsum(
+        "...h,vh->...v", y.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
     return softcap * jnp.tanh(logits / softcap) if softcap else logits
 
 
@@ -77,6 +79,7 @@ def draft_loss(
     num_depths: int = 1,
     per_depth: bool = False,
     normalizer: jax.Array | float | None = None,
+    eps: float = 1e-5,
 ) -> LossOutput:
     """Loss and per-depth top-1 metrics over rows.
 
@@ -104,7 +107,7 @@ def draft_loss(
         loss = jnp.sum(per * present) / jnp.maximum(jnp.sum(present), 1.0)
     else:
         denom = rows if normalizer is None else jnp.asarray(normalizer, jnp.float32)
-        loss = loss_sum / jnp.maximum(denom, 1.0)
+        loss = loss_sum / (denom + eps)
     return LossOutput(loss, loss_sum, rows, correct, total)
 
 

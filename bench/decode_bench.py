@@ -7,7 +7,7 @@ length, side by side in one run: the old path (dense attention over every cache 
 new one (`kernels.decode`: only the blocks up to the longest filled length, or inside a sliding
 layer's window). The reference row is the same step in a 512-slot cache at 256 filled tokens.
 
-    python bench/decode_bench.py [--filled 256,1024,4096,16384] [--batch 1,4] [--reps 5]
+    python bench/decode_bench.py [--filled 256,1024,4096,16384] [--batch 1,4] [--reps 5] [--modes none,parallel]
         [--json bench/results/decode_bench.json]
 """
 
@@ -34,23 +34,23 @@ CACHE = 32768
 def step_ms(dec: SpeculativeDecoder, batch: int, filled: int, reps: int) -> float:
     """Median ms of one jitted round (mode none: one decode step) with `filled` tokens cached."""
     cfg, _, state = dec.start([[2, 3, 4, 5]] * batch, max_new_tokens=4)
-    length = jnp.full_like(state.length, filled)
-    state = state._replace(length=length, budget=jnp.full_like(state.budget, 10**6))
+    shape = state.length.shape  # the state is donated each round: build fresh arrays every time
+    state = state._replace(length=jnp.full(shape, filled, jnp.int32), budget=jnp.full(shape, 10**6, jnp.int32))
     mods = dec.modules()
     state = jax.block_until_ready(sp.jit_round(cfg, *mods, state))  # compile
     times = []
     for _ in range(reps):
-        state = state._replace(length=length)  # stay at `filled`
+        state = state._replace(length=jnp.full(shape, filled, jnp.int32))  # stay at `filled`
         t0 = time.perf_counter()
         state = jax.block_until_ready(sp.jit_round(cfg, *mods, state))
         times.append(time.perf_counter() - t0)
     return 1000 * statistics.median(times)
 
 
-def measure(target, drafter, batches, filled_lengths, reps) -> list[dict]:
+def measure(target, drafter, batches, filled_lengths, reps, modes=("none", "parallel")) -> list[dict]:
     rows = []
     for batch in batches:
-        for mode, k in (("none", 0), ("parallel", 7)):
+        for mode, k in ((m, 0 if m == "none" else 7) for m in modes):
             for path in ("dense", "decode"):
                 layers.CACHE_ATTENTION = path
                 jax.clear_caches()
@@ -86,6 +86,7 @@ def main() -> None:
     ap.add_argument("--filled", default="256,1024,4096,16384")
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--modes", default="none,parallel", help="none = a plain decode step, parallel = a K=7 round")
     ap.add_argument("--json", default="bench/results/decode_bench.json")
     args = ap.parse_args()
     target = pj.load_target(prepare("gemma3-270m"), dtype="float32")

@@ -74,13 +74,14 @@ def test_speculative_64_tokens_equal_plain_greedy_with_random_drafters(models):
     from infer import SpeculativeDecoder
 
     target, hf, torch = models
-    plain = SpeculativeDecoder(target, mode="none").generate(PROMPTS, max_new_tokens=64)
+    prompts = [target.tokenizer(text)["input_ids"] for text in PROMPTS]  # plain continuation, as HF's
+    plain = SpeculativeDecoder(target, mode="none").generate(prompts, max_new_tokens=64)
     ids = target.tokenizer(PROMPTS[0], return_tensors="pt")["input_ids"]
     with torch.no_grad():
         ref = hf.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1] :].tolist()
     assert plain.tokens[0] == ref[: len(plain.tokens[0])] and len(plain.tokens[0]) >= 32
     for mode in ("parallel", "chain"):
         drafter = pj.new_drafter(target, num_layers=1, mode=mode, seed=0, draft_vocab=np.arange(32768))
-        res = SpeculativeDecoder(target, drafter, k=7, mode=mode).generate(PROMPTS, max_new_tokens=64)
+        res = SpeculativeDecoder(target, drafter, k=7, mode=mode).generate(prompts, max_new_tokens=64)
         assert res.tokens == plain.tokens, mode
         assert res.stats["rounds"] > 0

@@ -201,12 +201,11 @@ def draft_vocab_ids(d2t):
 
 
 def draft_to_target(d2t, draft_ids: jax.Array) -> jax.Array:
-    """target id = draft id + d2t[draft id] (int32)."""
-    return jnp.take(
-        draft_vocab_ids(jnp.asarray(d2t[...] if isinstance(d2t, nnx.Variable) else d2t)),
-        jnp.asarray(draft_ids).astype(jnp.int32),
-        axis=0,
-    )
+    """target id = draft id + d2t[draft id] (int32), gathered for the given ids only (the
+    engine calls it every round: no [Vd] table is built)."""
+    d2t = d2t[...] if isinstance(d2t, nnx.Variable) else d2t
+    ids = jnp.asarray(draft_ids).astype(jnp.int32)
+    return ids + jnp.asarray(d2t)[ids].astype(jnp.int32)
 
 
 def t2d_from_d2t(d2t, vocab_size: int):

@@ -11,7 +11,8 @@ block's smallest depth ("lo") and the rest ("hi"). Each segment keeps count, min
 depth, anchor and doc. A segment pair may hold a visible pair when the docs overlap and
 
 * (causal branch) the key segment contains depth-0 rows, ``min anchor_k <= max anchor_q``
-  and, with a window, ``min anchor_q - max anchor_k < window``; or
+  and, with a window, ``min ref_q - max anchor_k < window`` (ref = anchor + depth, the
+  reference position the window counts from, `kernels.spec.visible`); or
 * (chain branch) ``min depth_k <= max depth_q`` and the anchor ranges overlap.
 
 These tests are conservative (a superset of the non-empty pairs) for ANY row order, so
@@ -121,6 +122,8 @@ def _seg_stats(anchor, depth, doc, sel):
         amax=mx(anchor),
         dmin=mn(depth),
         dmax=mx(depth),
+        rmin=mn(anchor + depth),  # reference positions (the window counts from them)
+        rmax=mx(anchor + depth),
         cmin=mn(doc),
         cmax=mx(doc),
     )
@@ -156,7 +159,7 @@ def block_masks(q_meta, kv_meta, block_q: int, block_k: int, sliding_window=None
     both = (qx("cnt") > 0) & (kx("cnt") > 0) & (qx("cmin") <= kx("cmax")) & (kx("cmin") <= qx("cmax"))
     causal = (kx("dmin") <= 0) & (kx("dmax") >= 0) & (kx("amin") <= qx("amax"))
     if W is not None:
-        causal = causal & (qx("amin") - kx("amax") < W)
+        causal = causal & (qx("rmin") - kx("amax") < W)
     chain = (kx("dmin") <= qx("dmax")) & (kx("amin") <= qx("amax")) & (qx("amin") <= kx("amax"))
     nonempty = jnp.any(both & (causal | chain), axis=(3, 4))
 
@@ -176,8 +179,8 @@ def block_masks(q_meta, kv_meta, block_q: int, block_k: int, sliding_window=None
         & (qw_("cmin") == kw_("cmin"))
         & (kw_("amax") <= qw_("amin"))
     )
-    if W is not None:
-        full = full & (qw_("amax") - kw_("amin") < W)
+    if W is not None:  # inside the causal range is not enough: every key within every query's window
+        full = full & (qw_("rmax") - kw_("amin") < W)
     return nonempty, full & nonempty
 
 

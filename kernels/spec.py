@@ -12,12 +12,15 @@ Every row (query or key) carries three int32 numbers:
 The rule (P-EAGLE, peagle.md section 5; plain causal is the case "all depths 0"):
 
     visible(q, k) = doc_q == doc_k  and  doc_q >= 0  and  doc_k >= 0  and
-                    ( (depth_k == 0 and anchor_k <= anchor_q)
+                    ( (depth_k == 0 and anchor_k <= anchor_q and in_window)
                       or (anchor_k == anchor_q and depth_k <= depth_q) )
-                    and (sliding_window is None or anchor_q - anchor_k < sliding_window)
+    in_window     = sliding_window is None or (anchor_q + depth_q) - anchor_k < sliding_window
 
-The sliding-window term only ever removes depth-0 keys: same-anchor keys have
-``anchor_q - anchor_k == 0``.
+A sliding window counts from the query's *reference position* ``anchor_q + depth_q`` (the
+position id of the row): a row sees the depth-0 rows inside the window of its reference
+position, and its own chain always (speculators' P-EAGLE mask, `create_peagle_mask_mod`). For
+plain causal rows (depth 0, anchor = position) it is the positional window of Hugging Face and
+vLLM: ``pos_q - pos_k < sliding_window``.
 
 Anchors are compared across the whole row of a packed batch, so use positions in the
 *packed* sequence (or per-document positions: the rule is still correct because ``doc``
@@ -44,11 +47,10 @@ def visible(q_anchor, q_depth, q_doc, kv_anchor, kv_depth, kv_doc, sliding_windo
     """
     same_doc = (q_doc == kv_doc) & (q_doc >= 0) & (kv_doc >= 0)
     causal0 = (kv_depth == 0) & (kv_anchor <= q_anchor)
+    if sliding_window is not None:  # the window of the query's reference position
+        causal0 = causal0 & (q_anchor + q_depth - kv_anchor < sliding_window)
     chain = (kv_anchor == q_anchor) & (kv_depth <= q_depth)
-    ok = same_doc & (causal0 | chain)
-    if sliding_window is not None:
-        ok = ok & (q_anchor - kv_anchor < sliding_window)
-    return ok
+    return same_doc & (causal0 | chain)
 
 
 def _as_i32(x, name):
@@ -68,8 +70,9 @@ class AttentionSpec:
 
     Array fields (pytree children): ``q_anchor, q_depth, q_doc`` [B, Tq] int32 and
     ``kv_anchor, kv_depth, kv_doc`` [B, Tk] int32. Static fields (pytree aux data, part of
-    the jit cache key): ``sliding_window`` (key allowed iff ``q_anchor - kv_anchor < window``),
-    ``softcap`` (scores become ``c * tanh(s / c)``), ``scale`` (default ``1/sqrt(D)``).
+    the jit cache key): ``sliding_window`` (a depth-0 key outside the window of the query's
+    reference position, ``q_anchor + q_depth - kv_anchor >= window``, is hidden), ``softcap``
+    (scores become ``c * tanh(s / c)``), ``scale`` (default ``1/sqrt(D)``).
 
     Build it with :meth:`causal` or :meth:`peagle`; the dataclass constructor takes the
     arrays as they are (use :meth:`make` to validate and broadcast 1-D inputs).

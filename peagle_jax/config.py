@@ -23,6 +23,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ACTIVATION_NAMES = ("silu", "gelu_pytorch_tanh", "gelu_tanh", "gelu")  # models.layers implements them
 NUM_AUX = 3  # aux hidden states a drafter reads (vLLM's EAGLE-3 heads: exactly 3)
 DRAFTER_MODES = ("parallel", "chain")
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' `layer_types` entries
 
 
 class ConfigError(ValueError):
@@ -324,6 +325,11 @@ class DrafterConfig:
     post-norm state instead of the pre-norm one. `qk_norm`: Qwen3-style per-head q/k
     RMSNorm in every layer (speculators heads built on a Qwen3 layer config).
     `verifier`: the target's name or path as a speculators config records it.
+    `layer_types` ("full_attention" | "sliding_attention" per layer; () = all full) and
+    `sliding_window` (tokens) as transformers, speculators and vLLM spell them: a sliding layer
+    attends to depth-0 rows within `sliding_window` of each row's reference position (the rule:
+    `kernels.visible`). `sliding_window` may be set with no sliding layer (speculators writes it
+    always); it then changes nothing.
     """
 
     hidden_size: int
@@ -351,6 +357,8 @@ class DrafterConfig:
     hidden_act: str = "silu"
     target_model_type: str | None = None
     verifier: str | None = None
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
 
     def __post_init__(self):
         if self.aux_layer_ids is not None:  # None: the default ids of the target it is paired with
@@ -394,6 +402,34 @@ class DrafterConfig:
             raise ConfigError(f"DrafterConfig: unsupported hidden_act {self.hidden_act!r}")
         if self.k_train is not None:
             object.__setattr__(self, "k_train", int(self.k_train))
+        self._check_windows()
+
+    def _check_windows(self) -> None:
+        types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers
+        if len(types) != self.num_layers:
+            raise ConfigError(
+                f"DrafterConfig: layer_types has {len(types)} entries for num_hidden_layers {self.num_layers}"
+            )
+        bad = sorted(set(types) - set(LAYER_TYPES))
+        if bad:
+            raise ConfigError(f"DrafterConfig: unknown layer_types {bad} (known: {', '.join(LAYER_TYPES)})")
+        object.__setattr__(self, "layer_types", types)
+        w = self.sliding_window
+        if w is not None:
+            if not isinstance(w, (int, np.integer)) or isinstance(w, bool) or w < 1:
+                raise ConfigError(f"DrafterConfig: sliding_window must be an int >= 1, got {w!r}")
+            object.__setattr__(self, "sliding_window", int(w))
+        elif "sliding_attention" in types:
+            raise ConfigError("DrafterConfig: layer_types has sliding_attention layers but sliding_window is not set")
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of drafter layer `layer` (None: full attention)."""
+        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    @property
+    def sliding(self) -> bool:
+        """Some drafter layer has a sliding window."""
+        return "sliding_attention" in self.layer_types
 
     @property
     def attn_scale(self) -> float:
@@ -407,6 +443,7 @@ class DrafterConfig:
         out = dataclasses.asdict(self)
         out["rope"] = dataclasses.asdict(self.rope)
         out["aux_layer_ids"] = None if self.aux_layer_ids is None else list(self.aux_layer_ids)
+        out["layer_types"] = list(self.layer_types)
         return out
 
     @classmethod

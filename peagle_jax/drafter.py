@@ -136,6 +136,8 @@ def new_drafter(
     *,
     token_counts=None,
     dtype=None,
+    sliding_window: int | None = None,
+    layer_types=None,
     **flags,
 ) -> Drafter:
     """A fresh head for `target` (a Target: .config, .graphdef, .state, .aux_layer_ids).
@@ -147,6 +149,9 @@ def new_drafter(
     `token_counts` [V]; or an explicit array of target ids (sorted, unique).
     mask_token_id (parallel only): None = the target's pad token, else V - 1.
     dtype: the parameter dtype; None = the target's.
+    sliding_window: a window (tokens) for the drafter layers `layer_types` names
+    "sliding_attention"; layer_types None = every layer slides when a window is given (the
+    speculators default), else all full attention.
     flags: norm_before_residual, norm_before_fc, fc_norm, norm_output, attention_bias,
     qk_norm, rope (a RopeConfig to use instead of the target's).
     """
@@ -176,6 +181,7 @@ def new_drafter(
     bad = sorted(set(flags) - known)
     if bad:
         raise TypeError(f"new_drafter: unknown flags {bad} (known: {sorted(known)})")
+    default_type = "sliding_attention" if sliding_window is not None else "full_attention"
     config = DrafterConfig(
         hidden_size=tc.hidden_size,
         target_hidden_size=tc.hidden_size,
@@ -195,6 +201,8 @@ def new_drafter(
         k_train=k_train,
         target_model_type=tc.model_type,
         verifier=None if getattr(target, "path", None) is None else str(target.path),
+        layer_types=tuple(layer_types) if layer_types is not None else (default_type,) * num_layers,
+        sliding_window=sliding_window,
         **{k: bool(val) for k, val in flags.items()},
     )
     emb, head = target.embedding_arrays()

@@ -25,6 +25,9 @@ into a temporary sibling folder renamed into place. Where the tools differ, vLLM
 - A full-vocabulary head (Vd == V) carries no d2t/t2d: vLLM 0.33 then creates no
   `draft_id_to_target_id` parameter and refuses a checkpoint that has one. A reduced head must.
 - `norm_output` (EAGLE 3.1): chain mode feeds the post-norm state back (`DrafterModel.feedback`).
+- Sliding-window layers: `layer_types`, `sliding_window` and `use_sliding_window` in the layer
+  config (`transformer_layer_config`; the top level of a vLLM-native config), as speculators
+  writes them and vLLM reads them (`head_config.layer_windows`).
 """
 
 from __future__ import annotations
@@ -398,10 +401,23 @@ def export_speculators(
 # our own checkpoint: drafter.json (config) + state/ (orbax)
 
 
+def local_checkpointer():
+    """An orbax checkpointer for this process alone: a head folder is written and read by one
+    process, also inside a multi-host run (orbax's default waits for every process)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    if jax.process_count() == 1:
+        return ocp.StandardCheckpointer()
+    me = jax.process_index()
+    opts = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"p{me}")
+    return ocp.StandardCheckpointer(multiprocessing_options=opts)
+
+
 def write_own(path: str | os.PathLike, config: DrafterConfig, arrays: dict, dtype="float32") -> Path:
     """Our checkpoint, written to a temporary sibling folder and renamed into place; an
     existing drafter checkpoint (or empty folder) at `path` is replaced, anything else refused."""
-    import orbax.checkpoint as ocp
+    import jax
     from flax import nnx
 
     dest = Path(path).absolute()
@@ -410,14 +426,16 @@ def write_own(path: str | os.PathLike, config: DrafterConfig, arrays: dict, dtyp
     with atomic_folder(dest) as tmp:
         meta = {"format": OWN_FORMAT, "version": OWN_VERSION, "dtype": dtype_name(dtype), "config": config.to_dict()}
         (tmp / OWN_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(tmp / OWN_STATE_DIR, nnx.to_pure_dict(state))
+        with local_checkpointer() as ckptr:
+            tree = nnx.to_pure_dict(state)
+            if jax.process_count() > 1:  # orbax refuses process-local jax.Arrays in a multi-host run
+                tree = jax.tree.map(np.asarray, tree)
+            ckptr.save(tmp / OWN_STATE_DIR, tree)
             ckptr.wait_until_finished()
     return dest
 
 
 def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
-    import orbax.checkpoint as ocp
     from flax import nnx
 
     cfg_file = path / OWN_CONFIG_FILE
@@ -432,7 +450,7 @@ def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
     if not state_dir.is_dir():
         raise FileNotFoundError(f"{state_dir}: missing (a drafter checkpoint holds drafter.json and state/)")
     _, abstract = abstract_drafter(config, stored)
-    with ocp.StandardCheckpointer() as ckptr:
+    with local_checkpointer() as ckptr:
         try:
             restored = ckptr.restore(state_dir.absolute(), nnx.to_pure_dict(abstract))
         except Exception as err:  # orbax raises many types; name the folder

@@ -15,13 +15,17 @@ Semantics taken from vLLM (the serving contract) where the tools differ:
 - speculators `fc_norm` / `norm_output`: vLLM builds the head from `transformer_layer_config`, and
   its peagle translation does not forward these top-level keys, so they are written in both places
   and read from the layer config first (the two must agree).
+- Sliding-window layers: the layer config's `layer_types` ("full_attention" |
+  "sliding_attention" per drafter layer) and `sliding_window`, the keys vLLM's Llama attention
+  reads per draft layer (`layer_types[layer_idx - target_layer_count]`); speculators 0.9.0 writes
+  them with `use_sliding_window`, which must agree with them (`layer_windows`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from peagle_jax.config import NUM_AUX, ConfigError, DrafterConfig, RopeConfig, validate_aux_layer_ids
+from peagle_jax.config import LAYER_TYPES, NUM_AUX, ConfigError, DrafterConfig, RopeConfig, validate_aux_layer_ids
 from peagle_jax.dtypes import EXPORT, dtype_name
 from peagle_jax.models.registry import ARCHITECTURES, architecture_of
 
@@ -34,6 +38,7 @@ __all__ = [
     "vllm_config",
     "speculators_config",
     "rope_params",
+    "layer_windows",
 ]
 
 # vLLM registry names of EAGLE-3 style heads -> whether the layers are Qwen3 (q/k norms)
@@ -264,11 +269,7 @@ def _layer_fields(f: HeadFacts) -> dict:
     tl, where, s = f.layer, f.layer_where, f.sizes
     if tl.get("mlp_bias"):
         raise ConfigError(f"{where}: key 'mlp_bias' is true; drafter MLPs have no bias (vLLM Llama heads)")
-    if tl.get("use_sliding_window") or "sliding_attention" in (tl.get("layer_types") or []):
-        raise ConfigError(
-            f"{where}: sliding-window drafter layers are unsupported (all drafter layers are full "
-            "attention, as vLLM serves them)"
-        )
+    layer_types, window = layer_windows(tl, where, s["num_hidden_layers"])
     rope_key = "rope_parameters" if tl.get("rope_parameters") is not None else "rope_scaling"
     hidden, heads = s["hidden_size"], s["num_attention_heads"]
     return dict(
@@ -284,7 +285,45 @@ def _layer_fields(f: HeadFacts) -> dict:
         max_position_embeddings=_int(tl.get("max_position_embeddings"), where, "max_position_embeddings", 2048),
         attention_bias=_bool(tl.get("attention_bias"), where, "attention_bias"),
         hidden_act=tl.get("hidden_act", "silu"),
+        layer_types=layer_types,
+        sliding_window=window,
     )
+
+
+def layer_windows(layer: dict, where: str, num_layers: int) -> tuple[tuple[str, ...], int | None]:
+    """(layer_types, sliding_window) of a head's layer config, checked: one known type per
+    drafter layer, a window (an int >= 1) for sliding layers, and `use_sliding_window`, when
+    written, true exactly when some layer slides. ConfigError naming `where` and the key."""
+    types = layer.get("layer_types")
+    if types is None:
+        types = ()
+    elif not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+        raise ConfigError(f"{where}: key 'layer_types' must be a list of strings, got {types!r}")
+    elif len(types) != num_layers:
+        raise ConfigError(f"{where}: key 'layer_types' has {len(types)} entries, but num_hidden_layers is {num_layers}")
+    bad = sorted(set(types) - set(LAYER_TYPES))
+    if bad:
+        raise ConfigError(f"{where}: key 'layer_types' has unknown entries {bad} (known: {', '.join(LAYER_TYPES)})")
+    sliding = "sliding_attention" in types
+    window = layer.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+        raise ConfigError(f"{where}: key 'sliding_window' has invalid value {window!r} (an int >= 1)")
+    if sliding and window is None:
+        raise ConfigError(f"{where}: key 'layer_types' names sliding_attention layers but 'sliding_window' is not set")
+    use = layer.get("use_sliding_window")
+    if use is not None and (not isinstance(use, bool) or use != sliding):
+        raise ConfigError(
+            f"{where}: key 'use_sliding_window' is {use!r} but 'layer_types' "
+            + ("names sliding_attention layers" if sliding else "names none (vLLM reads the window per layer from it)")
+        )
+    return tuple(types), window
+
+
+def _window_fields(c: DrafterConfig) -> dict:
+    """The sliding-window keys of a layer config (none for a head without a window)."""
+    if c.sliding_window is None and not c.sliding:
+        return {}
+    return {"layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "use_sliding_window": c.sliding}
 
 
 def _qk_norm(f: HeadFacts) -> bool:
@@ -381,6 +420,7 @@ def _llama_fields(c: DrafterConfig) -> dict:
         "attention_bias": c.attention_bias,
         "mlp_bias": False,
         "tie_word_embeddings": False,
+        **_window_fields(c),
     }
 
 

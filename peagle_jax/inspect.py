@@ -28,6 +28,7 @@ from peagle_jax.head_config import (
     HeadFacts,
     drafter_config,
     head_facts,
+    layer_windows,
     rope_params,
     speculators_config,
     vllm_config,
@@ -135,6 +136,7 @@ def _report(
         "norm_before_residual": facts.norm_before_residual,
         "max_position_embeddings": facts.layer.get("max_position_embeddings"),
         **_rope(facts),
+        **_windows(facts, fnd),
         "layer0_prefix": None,
         "tensors": None,
         "files": [],
@@ -172,6 +174,32 @@ def _rope(facts: HeadFacts) -> dict:
     kind = params.get("rope_type", params.get("type", "default"))
     extra = {k: v for k, v in params.items() if k not in ("rope_type", "type")}
     return {"rope_type": kind, "rope": f"{kind} " + ", ".join(f"{k}={v}" for k, v in sorted(extra.items()))}
+
+
+def _windows(f: HeadFacts, fnd: _Findings) -> dict:
+    """The report's `sliding_layers` (drafter layers with a window) and `sliding_window`. A
+    malformed window is a problem; a window shorter than the trained depth K a warning
+    (training and vLLM then disagree on the deepest rows)."""
+    try:
+        types, window = layer_windows(f.layer, f.layer_where, f.sizes["num_hidden_layers"])
+    except ConfigError as err:
+        fnd.problem(str(err))
+        return {"sliding_layers": None, "sliding_window": None}
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    hints = [x for x in f.k_hints.values() if _is_int(x)]
+    k = f.k_train if _is_int(f.k_train) else max(hints, default=None)
+    if sliding:
+        fnd.note(
+            f"drafter layers {sliding} attend within a sliding window of {window} tokens (layer_types / "
+            "sliding_window, which vLLM applies per draft layer)"
+        )
+    if sliding and k is not None and k > window:
+        fnd.warn(
+            f"sliding_window {window} < trained depth K {k}: training lets a row see its whole chain, but "
+            f"vLLM's positional window hides chain rows {window} or more positions back, so drafts at depth "
+            f">= {window} differ from training; serve with num_speculative_tokens <= {window}"
+        )
+    return {"sliding_layers": sliding, "sliding_window": window}
 
 
 def _open_checkpoint(folder: Path, shown: Path, fnd: _Findings):
@@ -424,6 +452,8 @@ def format_report(r: dict) -> str:
         f"  max pos      {r['max_position_embeddings']}",
         f"  rope         {r['rope']}",
     ]
+    if r.get("sliding_layers"):
+        lines.append(f"  window       {r['sliding_window']} tokens on layers {r['sliding_layers']}")
     if r["files"]:
         lines.append(
             f"  tensors      {r['tensors']} in {len(r['files'])} file(s), {r['bytes'] / 1e6:.2f} MB, "

@@ -9,6 +9,9 @@ layer 0 (fused):  z = concat(input_layernorm(embed(x)), hidden_norm(g))   # widt
 layers 1..N-1:    plain pre-norm Llama blocks
 logits = lm_head(norm(h))                       # [.., Vd]; target id = draft id + d2t[draft id]
 ```
+Drafter layers may slide (`DrafterConfig.layer_types` / `sliding_window`): each layer applies
+its window in every attention call (the rule: `kernels.visible`).
+
 One module serves both modes: "parallel" (P-EAGLE: masked slots read `mask_token_id` and
 `mask_g() = fuse(mask_hidden)`) and "chain" (EAGLE-3: each later step feeds the drafter's
 own last hidden state back as g, bypassing fc; see `DrafterModel.feedback`).
@@ -48,11 +51,13 @@ class DrafterOutput(NamedTuple):
 
 
 class DrafterLayer(nnx.Module):
-    """Layer 0 (`fused=True`): q/k/v read concat(input_layernorm(embed), hidden_norm(g)).
-    Later layers: the plain pre-norm Llama block."""
+    """Layer `index` of the head. Layer 0 (fused): q/k/v read concat(input_layernorm(embed),
+    hidden_norm(g)). Later layers: the plain pre-norm Llama block. A sliding layer
+    (`cfg.window(index)`) applies its window in every attention call (COD rows, cache)."""
 
-    def __init__(self, cfg: DrafterConfig, fused: bool, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: DrafterConfig, index: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         h = cfg.hidden_size
+        fused = index == 0
 
         def norm():
             return RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
@@ -73,6 +78,7 @@ class DrafterLayer(nnx.Module):
             bias=cfg.attention_bias,
             out_bias=cfg.attention_bias,
             qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+            window=cfg.window(index),
             dtype=dtype,
             param_dtype=param_dtype,
             rngs=rngs,
@@ -109,7 +115,7 @@ class DrafterModel(nnx.Module):
             )
         self.fc = nnx.Linear(cfg.fc_in, h, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List(
-            [DrafterLayer(cfg, i == 0, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)]
+            [DrafterLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.lm_head = nnx.Linear(
@@ -166,6 +172,7 @@ class DrafterModel(nnx.Module):
         positions, read whole, causal by position); None = attend within this call.
         `spec` (a `kernels.AttentionSpec`) replaces the causal rule, computed by `kernels.attention`
         with `backend` ("dense" builds the [T, keys] mask; "auto" runs the blockwise / Pallas kernels).
+        Sliding layers put their own window into the rule (over a cache: the positional window).
         """
         embeds = self.embed_tokens(tokens)
         x = g.astype(embeds.dtype)
@@ -244,11 +251,13 @@ def select_draft_vocab(token_counts, size: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------
 # COD training rows
-def peagle_mask(anchor: jax.Array, depth: jax.Array, doc: jax.Array) -> jax.Array:
+def peagle_mask(anchor: jax.Array, depth: jax.Array, doc: jax.Array, sliding_window: int | None = None) -> jax.Array:
     """The P-EAGLE attention rule as a dense bool mask [..., N, N] (True = query may attend key).
 
     Query q sees key k when both are in the same document (doc >= 0; -1 = padding) and
-    (depth_k == 0 and anchor_k <= anchor_q) or (anchor_k == anchor_q and depth_k <= depth_q).
+    (depth_k == 0 and anchor_k <= anchor_q and, with a window, anchor_q + depth_q - anchor_k <
+    sliding_window) or (anchor_k == anchor_q and depth_k <= depth_q): a sliding layer sees the
+    depth-0 rows within the window of the row's reference position, and its own chain.
     Dense, so for small N only (tests, short rows); kernels/ computes it block by block.
     """
     return kernels.visible(
@@ -258,6 +267,7 @@ def peagle_mask(anchor: jax.Array, depth: jax.Array, doc: jax.Array) -> jax.Arra
         anchor[..., None, :],
         depth[..., None, :],
         doc[..., None, :],
+        sliding_window,
     )
 
 
@@ -276,7 +286,8 @@ def cod_rows_forward(
     ref = anchor + depth; aux [B, N, 3Ht]: the aux state at ref; anchor, depth, doc [B, N]
     (doc -1 = padding row). Rows with depth > 0 read `mask_token_id` and `mask_hidden`
     (selected before fc, so they pass through the same fc and norms); position id = ref;
-    attention = the P-EAGLE rule of `kernels.AttentionSpec.peagle(anchor, depth, doc)`; `mask`
+    attention = the P-EAGLE rule of `kernels.AttentionSpec.peagle(anchor, depth, doc)` (each
+    sliding layer with its window, counted from the reference position); `mask`
     "dense" (or None) builds it as one [B, N, N] mask (short rows, tests); "kernels" computes it
     block by block from the row metadata (`kernels.attention`, backend auto: memory linear in N,
     the path for long sequences).

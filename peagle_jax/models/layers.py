@@ -147,8 +147,9 @@ class Attention(nnx.Module):
         at their positions first and the queries read the whole cache (index = position).
         Attention is `kernels.attention` with `backend`: by default the positional causal rule
         (sliding window included); `spec` replaces it (the drafter's COD rows: the P-EAGLE rule
-        from per-row metadata; with backend "auto" no [T, T] mask is ever built). Over a cache
-        with the positional rule, `kernels.decode` reads only the filled blocks (CACHE_ATTENTION).
+        from per-row metadata; with backend "auto" no [T, T] mask is ever built), with this
+        layer's window. Over a cache with the positional rule, `kernels.decode` reads only the
+        filled blocks (CACHE_ATTENTION).
         """
         q, k, v = self.project(x, positions)
         if kv_cache is None:
@@ -169,7 +170,7 @@ class Attention(nnx.Module):
                 spec = AttentionSpec.causal(
                     positions, k_pos, q_valid=positions >= 0, kv_valid=k_pos >= 0, sliding_window=self.window
                 )
-            spec = dataclasses.replace(spec, scale=self.scale, softcap=self.softcap)
+            spec = dataclasses.replace(spec, scale=self.scale, softcap=self.softcap, sliding_window=self.window)
             out = kernels.attention(q, keys, values, spec, sinks=sinks, backend=backend)
         b, t = x.shape[:2]
         new_cache = None if kv_cache is None else (keys, values)

@@ -24,9 +24,10 @@ def _naive(q, k, v, a, d, c, window=None, softcap=None, sinks=None, scale=None):
             for s in range(T):
                 if c[b, t] < 0 or c[b, s] < 0 or c[b, t] != c[b, s]:
                     continue
-                if not ((d[b, s] == 0 and a[b, s] <= a[b, t]) or (a[b, s] == a[b, t] and d[b, s] <= d[b, t])):
-                    continue
-                if window is not None and not a[b, t] - a[b, s] < window:
+                in_window = window is None or a[b, t] + d[b, t] - a[b, s] < window  # from the reference position
+                if not (
+                    (d[b, s] == 0 and a[b, s] <= a[b, t] and in_window) or (a[b, s] == a[b, t] and d[b, s] <= d[b, t])
+                ):
                     continue
                 keys.append(s)
             for h in range(Hq):

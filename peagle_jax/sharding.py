@@ -34,6 +34,14 @@ RULES: tuple[tuple[str, tuple], ...] = (
 )
 
 
+# role -> axes of the leading dimensions (the rest replicated)
+ROLES: dict[str, tuple] = {
+    "batch": (("data", "fsdp"),),  # [B, ...] token rows, COD rows, features, per-row metrics
+    "replicated": (),  # scalars, per-depth counts, held-out batches
+    "vocab_rows": ("tensor", "fsdp"),  # [V, H] rows of an output head (the teacher's lm_head rows)
+}
+
+
 def make_mesh(tensor: int | None = None, fsdp: int = 1, data: int = 1, devices=None) -> jax.sharding.Mesh:
     """A (data, fsdp, tensor) mesh with Auto axes (sharding propagates through plain jit).
 
@@ -52,6 +60,7 @@ def make_mesh(tensor: int | None = None, fsdp: int = 1, data: int = 1, devices=N
 
 def spec_for(path: str, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
     """The PartitionSpec of one parameter: its rule, minus axes that do not divide it."""
+    path = path.replace(".", "/")
     for pattern, axes in RULES:
         if re.search(pattern, path) and len(axes) == len(shape):
             return P(*(a if a is not None and dim % mesh.shape[a] == 0 else None for a, dim in zip(axes, shape)))
@@ -69,3 +78,47 @@ def shard_state(state, mesh: jax.sharding.Mesh):
         return jax.device_put(x, NamedSharding(mesh, spec_for(name, x.shape, mesh)))
 
     return jax.tree_util.tree_map_with_path(place, state)
+
+
+def mesh_shape(data: int, fsdp: int, tensor: int, devices: int) -> tuple[int, int, int]:
+    """(data, fsdp, tensor) with one -1 resolved to the devices left; the product must be `devices`."""
+    sizes = [data, fsdp, tensor]
+    if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+        raise ValueError(f"mesh.data={data} mesh.fsdp={fsdp} mesh.tensor={tensor}: sizes must be >= 1, one may be -1")
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        sizes[sizes.index(-1)] = devices // known if devices % known == 0 else -1
+    if -1 in sizes or int(np.prod(sizes)) != devices:
+        raise ValueError(
+            f"mesh.data={data} x mesh.fsdp={fsdp} x mesh.tensor={tensor} does not fit the {devices} devices "
+            "(the product must equal the device count; -1 = the rest)"
+        )
+    return sizes[0], sizes[1], sizes[2]
+
+
+def device_mesh(data: int, fsdp: int, tensor: int) -> jax.sharding.Mesh:
+    """A (data, fsdp, tensor) mesh with Auto axes over every device of every process (jax.make_mesh
+    orders them by the physical topology on TPU/GPU: tensor innermost = the fastest links)."""
+    shape = mesh_shape(data, fsdp, tensor, jax.device_count())
+    return jax.make_mesh(shape, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def role_spec(role: str, ndim: int) -> P:
+    axes = ROLES[role][:ndim]
+    return P(*axes, *([None] * (ndim - len(axes))))
+
+
+def role_sharding(mesh: jax.sharding.Mesh, role: str, ndim: int) -> NamedSharding:
+    return NamedSharding(mesh, role_spec(role, ndim))
+
+
+def tree_shardings(tree, mesh: jax.sharding.Mesh):
+    """NamedShardings of a pytree of parameter-like arrays: each leaf is named by its nearest dict
+    key (flat parameter dicts, and optimizer states that mirror them: optax's mu / nu), placed
+    by RULES; leaves no rule names (step counters, norms) are replicated."""
+
+    def one(path, x):
+        names = [str(k.key) for k in path if hasattr(k, "key")]
+        return NamedSharding(mesh, spec_for(names[-1] if names else "", x.shape, mesh))
+
+    return jax.tree_util.tree_map_with_path(one, tree)

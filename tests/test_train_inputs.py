@@ -56,6 +56,18 @@ def test_unknown_preset_and_bad_values():
         parse_args(["--data.too_long", "cut"])
 
 
+def test_bool_words_as_the_docs_write_them():
+    cfg = parse_args(["--eval.enabled", "false", "--data.regenerate=TRUE", "--loop.progress", "no"])
+    assert (cfg.eval.enabled, cfg.data.regenerate, cfg.loop.progress) == (False, True, False)
+
+
+def test_a_bad_value_is_one_line_naming_the_flag(capsys):
+    assert main(["--loop.steps", "many"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err  # tyro's multi-line box is not printed
+    assert "--loop.steps" in err[0] and "many" in err[0]
+
+
 def test_help_lists_fields_with_defaults(capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--help"])

@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: rerun with the same --out to resume from the last checkpoint", file=sys.stderr)
         return 130
+    if summary is None:  # a process other than 0 of a multi-host run: process 0 reports
+        return 0
     print(f"head: {summary['head_dir']}")
     print(f"vllm: {summary['vllm_dir']}")
     acc = ", ".join(f"{a:.2f}" for a in summary["per_depth_accuracy"])

@@ -5,6 +5,10 @@ run's own optimizer structure), and a JSON record: step (= the data position: ba
 pure function of (seed, step)), the seeds, the config, the draft vocabulary and the metrics
 summary so far. Orbax writes into a temporary folder and renames it when complete, so a run
 killed mid-save keeps its previous checkpoint.
+
+Sharded: the arrays are saved as they lie on the mesh (each process writes its own shards; every
+process calls `save`) and restored onto the shardings of the templates given to `restore`, so
+a checkpoint written on one mesh shape (or number of hosts) resumes on another.
 """
 
 from __future__ import annotations

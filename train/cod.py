@@ -19,7 +19,17 @@ import numpy as np
 
 from kernels.layouts import cod_sample
 
-__all__ = ["Batch", "buckets", "bucket_for", "row_space", "cut_rows", "row_bucket", "chain_rows", "make_batch"]
+__all__ = [
+    "Batch",
+    "buckets",
+    "bucket_for",
+    "row_space",
+    "cut_rows",
+    "row_bucket",
+    "chain_rows",
+    "make_batch",
+    "pad_rows",
+]
 
 
 @dataclasses.dataclass
@@ -101,17 +111,21 @@ def make_batch(
     row_factor: float,
     length_buckets: int = 3,
     row_granularity: int = 0,
+    first_row: int = 0,
+    length: int | None = None,
 ) -> Batch:
     """A batch of examples (one per row) in the bucket of the longest; COD rows in the row
-    bucket of the longest sampled layout."""
-    length = bucket_for(max(len(e.ids) for e in examples), max_len, length_buckets)
+    bucket of the longest sampled layout. A process building rows [first_row, ...) of a larger
+    batch passes that offset (row seeds are global) and the whole batch's `length` bucket."""
+    if length is None:
+        length = bucket_for(max(len(e.ids) for e in examples), max_len, length_buckets)
     b = len(examples)
     layouts = []
     if mode == "parallel":
         cap = n_rows(length, row_factor)
         for i, e in enumerate(examples):
             sup, doc = row_space(e.ids, e.mask, length)
-            rng = np.random.default_rng([seed, step, i, e.index])
+            rng = np.random.default_rng([seed, step, first_row + i, e.index])
             layouts.append(cod_sample(sup, doc, k, r, r_min, rng, max_anchors))
         rows = row_bucket(max(len(lay[0]) for lay in layouts), cap, row_granularity)
     else:
@@ -136,3 +150,17 @@ def make_batch(
         else:
             out.anchor[i], out.depth[i], out.doc[i] = chain_rows(doc, k)
     return out
+
+
+def pad_rows(b: Batch, rows: int) -> Batch:
+    """`b` with its COD rows padded (doc -1) to `rows` (processes agree on one row bucket)."""
+    pad = rows - b.anchor.shape[1]
+    if pad <= 0:
+        return b
+    z = np.zeros((b.anchor.shape[0], pad), np.int32)
+    return dataclasses.replace(
+        b,
+        anchor=np.concatenate([b.anchor, z], 1),
+        depth=np.concatenate([b.depth, z], 1),
+        doc=np.concatenate([b.doc, z - 1], 1),
+    )

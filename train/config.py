@@ -9,8 +9,10 @@ them and the closest valid names.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import io
 import json
 import sys
 import typing
@@ -31,7 +33,10 @@ class ModelConfig:
     """Target: a Hugging Face folder, an asset name of peagle_jax.assets (prepared on first use), or 'tiny' (a random
     tiny Llama built into OUT/tiny-target)."""
     dtype: str = "float32"
-    """Compute dtype of target and head (float32 | bfloat16)."""
+    """Storage dtype of target and head (float32 | bfloat16): the head's master weights and optimizer state."""
+    compute_dtype: str = "float32"
+    """dtype of the step's matmuls and activations (float32 | bfloat16): bfloat16 runs the target and the head in
+    bf16 on accelerators while the head's master weights (model.dtype), optimizer state and loss stay float32."""
     mode: str = "parallel"
     """parallel = P-EAGLE (COD objective); chain = EAGLE-3 (training-time-test unroll of k_train steps)."""
     num_layers: int = 1
@@ -140,6 +145,12 @@ class LoopConfig:
     """Chain mode: weight of step j is chain_decay**j (speculators' ttt_step_loss_decay)."""
     progress: bool = True
     """Show a progress bar."""
+    segments: int | str = 1
+    """Sequence partitioning (docs/training.md): each sequence's COD rows run as this many segments, each forward +
+    backward over its own rows plus the depth-0 rows they attend to, gradients accumulated in one step: the same loss
+    and gradients as 1 (one flat pass), peak memory ~ rows / segments. auto: ceil(rows / loop.max_rows_per_segment)."""
+    max_rows_per_segment: int = 8192
+    """With loop.segments auto: the most COD rows of a sequence one segment takes."""
 
 
 @dataclasses.dataclass
@@ -159,6 +170,32 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class MeshConfig:
+    data: int = -1
+    """Data-parallel devices (batch rows split over them); -1 = the devices the other axes leave."""
+    fsdp: int = 1
+    """Fully-sharded data-parallel devices: parameters, optimizer state and batch rows split over them."""
+    tensor: int = 1
+    """Tensor-parallel devices (attention heads, MLP width, vocabulary split over them)."""
+
+
+@dataclasses.dataclass
+class DistConfig:
+    coordinator: str | None = None
+    """host:port of process 0 for jax.distributed (several hosts); None = one process, unless auto."""
+    num_processes: int = 1
+    """Processes (hosts) in the run."""
+    process_id: int = 0
+    """This process's id, 0 .. num_processes-1 (process 0 writes metrics, checkpoints' metadata and exports)."""
+    auto: bool = False
+    """Let jax.distributed.initialize() detect the cluster (TPU pod slices, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)."""
+    heartbeat_timeout: int = 100
+    """Seconds without a peer's heartbeat before the other processes stop with an error (a lost host)."""
+    initialization_timeout: int = 300
+    """Seconds to wait for every process to join."""
+
+
+@dataclasses.dataclass
 class TrainConfig:
     out: str = "runs/peagle-gemma3-270m"
     """Output folder (checkpoints, metrics, head, vLLM export); rerunning with the same one resumes."""
@@ -171,6 +208,8 @@ class TrainConfig:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     loop: LoopConfig = dataclasses.field(default_factory=LoopConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    dist: DistConfig = dataclasses.field(default_factory=DistConfig)
 
 
 def _tiny() -> dict:
@@ -208,17 +247,21 @@ def to_dict(cfg) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def field_names(cls=TrainConfig, prefix: str = "") -> list[str]:
-    """Every settable dotted name (nested dataclasses flattened)."""
-    out = []
+def field_types(cls=TrainConfig, prefix: str = "") -> dict[str, Any]:
+    """Every settable dotted name (nested dataclasses flattened) and its type."""
+    out = {}
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         t = hints[f.name]
         if dataclasses.is_dataclass(t):
-            out += field_names(t, prefix + f.name + ".")
+            out.update(field_types(t, prefix + f.name + "."))
         else:
-            out.append(prefix + f.name)
+            out[prefix + f.name] = t
     return out
+
+
+def field_names(cls=TrainConfig, prefix: str = "") -> list[str]:
+    return list(field_types(cls, prefix))
 
 
 def _suggest(name: str, valid: Sequence[str]) -> str:
@@ -348,19 +391,53 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         base = dataclasses.replace(base, config=file)
     import tyro
 
+    errors = io.StringIO()
     try:
-        cfg = tyro.cli(
-            TrainConfig,
-            default=base,
-            args=argv,
-            config=(tyro.conf.FlagConversionOff,),
-            description="Train a P-EAGLE (or EAGLE-3) drafter head for a Hugging Face target.",
-        )
+        with contextlib.redirect_stderr(errors):
+            cfg = tyro.cli(
+                TrainConfig,
+                default=base,
+                args=_bool_words(argv),
+                config=(tyro.conf.FlagConversionOff,),
+                description="Train a P-EAGLE (or EAGLE-3) drafter head for a Hugging Face target.",
+            )
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        raise ConfigError("invalid command line (see the message above, or --help)") from None
+        raise ConfigError(_box_message(errors.getvalue())) from None
     return validate(cfg)
+
+
+_BOOLS = {"true": "True", "yes": "True", "1": "True", "false": "False", "no": "False", "0": "False"}
+
+
+def _bool_words(argv: list[str]) -> list[str]:
+    """tyro takes True/False; the docs and YAML habits write true/false."""
+    bools = {"--" + n for n, t in field_types().items() if t is bool}
+    out = []
+    for i, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if eq and flag in bools:
+            a = f"{flag}={_BOOLS.get(value.lower(), value)}"
+        elif i > 0 and argv[i - 1] in bools:
+            a = _BOOLS.get(a.lower(), a)
+        out.append(a)
+    return out
+
+
+def _box_message(text: str) -> str:
+    """The message inside tyro's error box, as one line."""
+    lines = []
+    for line in text.splitlines():
+        inner = line.strip().strip("│╭╮╰╯").strip()
+        if inner.startswith("─"):
+            if lines:
+                break
+            continue
+        if inner:
+            lines.append(inner)
+    message = " ".join(lines).replace(" .", ".")
+    return f"invalid command line: {message or 'see --help'}"
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -368,6 +445,20 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     checks = [
         (cfg.model.mode in ("parallel", "chain"), f"model.mode must be parallel or chain, got {cfg.model.mode!r}"),
         (cfg.model.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16: {cfg.model.dtype!r}"),
+        (cfg.model.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype must be float32 or bfloat16"),
+        (
+            all(n >= 1 or n == -1 for n in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
+            and [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1,
+            "mesh.data, mesh.fsdp and mesh.tensor must be >= 1, at most one of them -1 (the rest of the devices)",
+        ),
+        (
+            cfg.dist.num_processes >= 1 and 0 <= cfg.dist.process_id < cfg.dist.num_processes,
+            "dist.process_id must lie in [0, dist.num_processes)",
+        ),
+        (
+            cfg.dist.num_processes == 1 or cfg.dist.coordinator or cfg.dist.auto,
+            "dist.num_processes > 1 needs --dist.coordinator HOST:PORT (or --dist.auto true)",
+        ),
         (cfg.model.num_layers >= 1, "model.num_layers must be >= 1"),
         (cfg.model.k_train >= 1, "model.k_train must be >= 1"),
         (cfg.model.draft_vocab >= 0, "model.draft_vocab must be >= 0"),
@@ -383,6 +474,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (cfg.loop.steps >= 0 and cfg.loop.epochs > 0, "loop.steps must be >= 0 and loop.epochs > 0"),
         (cfg.loop.checkpoint_every >= 1 and cfg.loop.keep >= 1, "loop.checkpoint_every and loop.keep must be >= 1"),
+        (
+            str(cfg.loop.segments) == "auto" or (str(cfg.loop.segments).isdigit() and int(cfg.loop.segments) >= 1),
+            f"loop.segments must be an integer >= 1 or auto, got {cfg.loop.segments!r}",
+        ),
+        (cfg.loop.max_rows_per_segment >= 1, "loop.max_rows_per_segment must be >= 1"),
         (all(k >= 1 for k in cfg.eval.ks), "eval.ks must be >= 1"),
         (cfg.eval.export_dtype in ("float32", "bfloat16"), "eval.export_dtype must be float32 or bfloat16"),
     ]

@@ -21,8 +21,17 @@ import numpy as np
 from train import cod
 from train import config as C
 from train import data as D
-from train.checkpoint import Checkpoints, host
-from train.step import TrainStep, batch_arrays, conditional_hits, make_optimizer, path_of, split_params
+from train import distributed as dist
+from train.checkpoint import Checkpoints
+from train.step import (
+    TrainStep,
+    batch_arrays,
+    compute_parts,
+    conditional_hits,
+    make_optimizer,
+    path_of,
+    split_params,
+)
 
 __all__ = ["run", "TrainError", "serve_command"]
 
@@ -120,10 +129,14 @@ def batch_examples(train: list, step: int, batch_size: int, seed: int) -> list:
 
 
 class Metrics:
-    """OUT/metrics.jsonl (lines past a restored step are dropped) + TensorBoard events."""
+    """OUT/metrics.jsonl (lines past a restored step are dropped) + TensorBoard events; written
+    by process 0 only (`enabled`)."""
 
-    def __init__(self, out: Path, resume_step: int):
+    def __init__(self, out: Path, resume_step: int, enabled: bool = True):
         self.path = out / "metrics.jsonl"
+        self.enabled = enabled
+        if not enabled:
+            return
         if self.path.exists():
             keep = [
                 ln
@@ -142,6 +155,8 @@ class Metrics:
             self.tb = None
 
     def log(self, rec: dict) -> None:
+        if not self.enabled:
+            return
         self.f.write(json.dumps(rec, default=float) + "\n")
         self.f.flush()
         if self.tb is not None:
@@ -153,16 +168,24 @@ class Metrics:
                         self.tb.add_scalar(f"{k}/{i}", x, rec["step"])
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self.f.close()
         if self.tb is not None:
             self.tb.close()
 
 
-def summarize(m: dict, batch, k: int, eval_k: int) -> dict:
-    """Host metrics of one step: per-depth accuracy, conditional accuracy, simulated tau."""
+def summarize(m: dict, batch, k: int, eval_k: int, first_row: int | None = None) -> dict:
+    """Host metrics of one step: per-depth accuracy, conditional accuracy, simulated tau.
+    first_row: `batch` holds this process's rows only, from that global row (hit / sup are then
+    split over processes): their conditional counts are summed over processes."""
+    rows_split = first_row is not None
     correct, total = np.asarray(m["correct"]), np.asarray(m["total"])
     acc = np.where(total > 0, correct / np.maximum(total, 1), 0.0)
-    cond, ctot = conditional_hits(np.asarray(m["hit"]), np.asarray(m["sup"]), batch.anchor, batch.depth, batch.doc, k)
+    hit, sup = (dist.local_rows(m[n]) if rows_split else np.asarray(m[n]) for n in ("hit", "sup"))
+    cond, ctot = conditional_hits(hit, sup, batch.anchor, batch.depth, batch.doc, k)
+    if rows_split:
+        cond, ctot = dist.sum_over_processes(cond, first_row), dist.sum_over_processes(ctot, first_row)
     cacc = np.where(ctot > 0, cond / np.maximum(ctot, 1), 0.0)
     return {
         "loss": float(m["loss"]),
@@ -176,21 +199,37 @@ def summarize(m: dict, batch, k: int, eval_k: int) -> dict:
     }
 
 
-def run(cfg: C.TrainConfig) -> dict:
+def run(cfg: C.TrainConfig) -> dict | None:
+    """Trains, saves, exports and evaluates; the summary (None on processes other than 0)."""
     t0 = time.perf_counter()
+    dist.setup(cfg.dist)  # before any JAX op: the devices of every process form one mesh
     import peagle_jax as pj
     from peagle_jax.drafter import Drafter
+    from peagle_jax.sharding import device_mesh
 
+    main = dist.is_main()
+    if dist.multi_process() and (cfg.data.cache_features or cfg.data.regenerate):
+        raise TrainError("data.cache_features and data.regenerate run in one process only (dist.num_processes 1)")
+    mesh = device_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     out = Path(cfg.out).absolute()
     out.mkdir(parents=True, exist_ok=True)
     _check_resume(out, cfg)
-    _write_json(out / "config.json", C.to_dict(cfg))
+    dist.barrier("resume-checked")  # every process reads the old config.json before process 0 replaces it
+    if main:
+        _write_json(out / "config.json", C.to_dict(cfg))
 
     def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
+        if main:
+            print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
-    tpath = resolve_target(cfg, out)
-    target = pj.load_target(tpath, dtype=cfg.model.dtype)
+    if main:  # process 0 builds the tiny target (one writer), the others then find it
+        tpath = resolve_target(cfg, out)
+    dist.barrier("target-ready")
+    if not main:
+        tpath = resolve_target(cfg, out)
+    # bf16 compute: the frozen target is stored in bf16 too (no master copy needed)
+    tdtype = "bfloat16" if cfg.model.compute_dtype == "bfloat16" else cfg.model.dtype
+    target = pj.load_target(tpath, dtype=tdtype)  # placed on the mesh by TrainStep
     tok = target.tokenizer
     if tok is None:
         raise TrainError(f"{tpath}: the target folder has no tokenizer (tokenizer.json / tokenizer.model)")
@@ -223,6 +262,7 @@ def run(cfg: C.TrainConfig) -> dict:
     used = (np.arange(drafter.config.draft_vocab_size) + drafter.d2t).astype(np.int64)
     head_w = jax.numpy.asarray(target.embedding_arrays()[1][used], drafter.dtype)
     parts, params, frozen = split_params(drafter, mc.freeze_embed, mc.freeze_lm_head)
+    parts = compute_parts(parts, drafter.config, mc.compute_dtype, mc.dtype)
     if mc.norm_from_target:
         tnorm = np.asarray(target.state["norm"]["weight"][...], np.float32) + target.config.norm_offset
         params["norm.weight"] = jax.numpy.asarray(tnorm, params["norm.weight"].dtype)
@@ -233,13 +273,6 @@ def run(cfg: C.TrainConfig) -> dict:
         oc.lr, oc.warmup_steps, total, oc.min_lr_ratio, oc.b1, oc.b2, oc.weight_decay, oc.clip, oc.norm_lr_scale
     )
     opt_state = opt.init(params)
-    ckpt = Checkpoints(out / "checkpoints", lc.keep)
-    start = 0
-    latest = ckpt.latest()
-    if latest is not None:
-        params, opt_state, meta = ckpt.restore(latest, params, opt_state)
-        start = int(meta["step"])
-        log(f"resumed from {out / 'checkpoints'} at step {start}")
     k = mc.k_train
     stepper = TrainStep(
         parts,
@@ -251,14 +284,28 @@ def run(cfg: C.TrainConfig) -> dict:
         per_depth=lc.per_depth_loss,
         chain_decay=lc.chain_decay,
         attention=mc.attention,
+        segments=lc.segments,
+        max_rows_per_segment=lc.max_rows_per_segment,
+        mesh=mesh,
+        state=(params, opt_state, frozen),
     )
+    lo, hi = stepper.rows(dc.batch_size)  # this process's rows of every batch (fails early if uneven)
+    params, opt_state, frozen = stepper.place_state(params, opt_state, frozen)
+    target.state, target.mesh = stepper.target_state, mesh  # keep only the placed copy
+    log(f"mesh {dict(mesh.shape)} over {jax.device_count()} devices, {jax.process_count()} process(es)")
+    ckpt = Checkpoints(out / "checkpoints", lc.keep)
+    start = 0
+    latest = ckpt.latest()
+    if latest is not None:  # restored onto this run's mesh, whatever mesh wrote it
+        params, opt_state, meta = ckpt.restore(latest, params, opt_state)
+        start = int(meta["step"])
+        log(f"resumed from {out / 'checkpoints'} at step {start}")
     feats = None
     if dc.cache_features:
         from train.features import FeatureCache
 
         feats = FeatureCache(Path(dc.cache_features), stepper, tpath, cfg)
-    metrics = Metrics(out, start)
-    metrics.f.flush()
+    metrics = Metrics(out, start, enabled=main)
     eval_k = min(7, k)
     kw = dict(
         seed=dc.seed,
@@ -305,17 +352,21 @@ def run(cfg: C.TrainConfig) -> dict:
 
     kill_at = int(os.environ.get("PEAGLE_TRAIN_SIGKILL_AT_STEP", "0"))
 
-    bar = tqdm(total=total, initial=start, disable=not lc.progress, dynamic_ncols=True, desc="train")
+    bar = tqdm(total=total, initial=start, disable=not (lc.progress and main), dynamic_ncols=True, desc="train")
     tokens_done, t_train = 0, time.perf_counter()
     eval_rec = None
     try:
         for step in range(start, total):
-            exs = batch_examples(ds.train, step, dc.batch_size, dc.seed)
-            b = cod.make_batch(exs, step=step, **kw)
+            exs = batch_examples(ds.train, step, dc.batch_size, dc.seed)  # the global batch
+            n_tokens = sum(len(e.ids) for e in exs)
+            length = cod.bucket_for(max(len(e.ids) for e in exs), dc.max_len, dc.length_buckets)
+            b = cod.make_batch(exs[lo:hi], step=step, first_row=lo, length=length, **kw)  # this process's rows
+            if dist.multi_process():  # one row bucket for all: the largest (only the row count travels)
+                b = cod.pad_rows(b, dist.max_over_processes(b.anchor.shape[1]))
             f = feats.get(exs, b) if feats is not None else None
             params, opt_state, m = stepper(params, opt_state, frozen, batch_arrays(b), f)
-            s = summarize(jax.device_get(m), b, k, eval_k)
-            tokens_done += b.n_tokens
+            s = summarize(m, b, k, eval_k, first_row=lo)
+            tokens_done += n_tokens
             dt = time.perf_counter() - t_train
             rec = {
                 "step": step + 1,
@@ -324,7 +375,7 @@ def run(cfg: C.TrainConfig) -> dict:
                 "cond_acc": s["cond_acc"],
                 "sim_tau": s["sim_tau"],
                 "grad_norm": float(m["grad_norm"]),
-                "tokens": b.n_tokens,
+                "tokens": n_tokens,
                 "tokens_per_second": tokens_done / dt,
                 "lr": float(opt_schedule_lr(oc, total, step)),
             }
@@ -341,9 +392,7 @@ def run(cfg: C.TrainConfig) -> dict:
             if lc.eval_every and done % lc.eval_every == 0 and done < total:
                 eval_rec = heldout_eval(done)
             if done % lc.checkpoint_every == 0 or done == total:
-                ckpt.save(
-                    done, host(params), host(opt_state), {"step": done, "seed": dc.seed, "config": C.to_dict(cfg)}
-                )
+                ckpt.save(done, params, opt_state, {"step": done, "seed": dc.seed, "config": C.to_dict(cfg)})
             if kill_at == done:  # tests: a hard kill (no cleanup) after this step
                 os.kill(os.getpid(), signal.SIGKILL)
     finally:
@@ -357,10 +406,12 @@ def run(cfg: C.TrainConfig) -> dict:
     )
 
     # head: save, export, evaluate
-    arrays = {
-        **{kk: np.asarray(vv) for kk, vv in host(params).items()},
-        **{kk: np.asarray(vv) for kk, vv in host(frozen).items()},
-    }
+    arrays = {**dist.to_host(params), **dist.to_host(frozen)}  # gathered from every process
+    if not main:
+        metrics.close()
+        return None
+    if dist.multi_process():  # the final speculative eval runs on process 0 alone, with its own copy
+        target = pj.load_target(tpath, dtype=tdtype)
     arrays = {path_of(kk): vv for kk, vv in arrays.items()}
     head = Drafter.from_arrays(drafter.config, arrays, mc.dtype)
     head_dir = head.save(out / "head")

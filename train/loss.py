@@ -28,7 +28,22 @@ __all__ = [
     "forward_kl",
     "draft_loss",
     "acceptance_length",
+    "take_rows",
+    "next_rows",
 ]
+
+
+def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x [B, L, ...] gathered along axis 1 at idx [B, M] (per sequence) or [M] (the same for all)."""
+    if idx.ndim == 1:
+        return jnp.take(x, idx, axis=1)
+    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def next_rows(x: jax.Array) -> jax.Array:
+    """Row t gets x[:, t + 1] (zeros past the end): the EAGLE shift. Row t holds token x[t + 1]
+    and its teacher is the target's state at t + 1."""
+    return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
 
 
 class LossOutput(NamedTuple):

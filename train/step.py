@@ -29,11 +29,14 @@ import optax
 from flax import nnx
 
 import kernels
-from peagle_jax.models.drafter import cod_rows_forward, flat_state
+from peagle_jax.dtypes import numpy_dtype
+from peagle_jax.models.drafter import DrafterModel, cod_rows_forward, flat_state
+from peagle_jax.sharding import role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
-from train.loss import draft_loss, teacher_logits
+from train.loss import draft_loss, next_rows, take_rows, teacher_logits
+from train.segments import resolve_segments, segment_rows, segmented_loss
 
-__all__ = ["Parts", "split_params", "make_optimizer", "features", "loss_and_metrics", "TrainStep"]
+__all__ = ["Parts", "split_params", "compute_parts", "make_optimizer", "features", "loss_and_metrics", "TrainStep"]
 
 
 def key(path) -> str:
@@ -78,6 +81,17 @@ def split_params(drafter, freeze_embed: bool, freeze_lm_head: bool) -> tuple[Par
     return Parts(drafter.graphdef, tuple(flat.items())), params, frozen
 
 
+def compute_parts(parts: Parts, config, compute_dtype: str, param_dtype: str) -> Parts:
+    """`parts` whose modules compute in `compute_dtype` (matmul inputs and activations cast to it)
+    while the parameters they are given stay `param_dtype`: bf16 compute over f32 master weights.
+    The loss stays float32 (`train.loss` upcasts the logits)."""
+    if compute_dtype == param_dtype:
+        return parts
+    cd, pd = numpy_dtype(compute_dtype), numpy_dtype(param_dtype)
+    model = nnx.eval_shape(lambda: DrafterModel(config, dtype=cd, param_dtype=pd, rngs=nnx.Rngs(0)))
+    return Parts(nnx.split(model)[0], parts.template)
+
+
 def make_optimizer(
     lr: float,
     warmup: int,
@@ -107,21 +121,10 @@ def features(target_def, target_state, tokens, positions, aux_layer_ids):
     return jax.lax.stop_gradient(out.aux_hidden), jax.lax.stop_gradient(out.hidden)
 
 
-def _take(x, idx):
-    """x [B, L, ...] gathered at idx [B, N] along axis 1."""
-    return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
-
-
 def _teacher_logp(y, head_w, softcap):
     """log-softmax teacher [B, L, Vd] of row t = target distribution at t + 1."""
-    y_next = jnp.concatenate([y[:, 1:], jnp.zeros_like(y[:, :1])], axis=1)
     zeros = jnp.zeros((head_w.shape[0],), jnp.int32)
-    return jax.nn.log_softmax(teacher_logits(y_next, head_w, zeros, softcap=softcap), axis=-1)
-
-
-def _row_tokens(tokens):
-    """Row t holds token x[t + 1] (0 past the end)."""
-    return jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    return jax.nn.log_softmax(teacher_logits(next_rows(y), head_w, zeros, softcap=softcap), axis=-1)
 
 
 def loss_and_metrics(
@@ -146,12 +149,14 @@ def loss_and_metrics(
     if attention == "auto":  # a [rows, rows] mask is cheap below a few thousand rows and compiles faster
         attention = "dense" if anchor.shape[1] <= 4096 else "kernels"
     ref = jnp.clip(anchor + depth, 0, aux.shape[1] - 1)
-    row_tok = _row_tokens(batch["tokens"])
+    row_tok = next_rows(batch["tokens"])
     logp_t = _teacher_logp(y, head_w, softcap)
-    sup = _take(batch["sup"], ref) & (doc >= 0)
+    sup = take_rows(batch["sup"], ref) & (doc >= 0)
     if mode == "parallel":
-        logits = cod_rows_forward(model, _take(row_tok, ref), _take(aux, ref), anchor, depth, doc, mask=attention)
-        teacher = _take(logp_t, ref)
+        logits = cod_rows_forward(
+            model, take_rows(row_tok, ref), take_rows(aux, ref), anchor, depth, doc, mask=attention
+        )
+        teacher = take_rows(logp_t, ref)
         out = draft_loss(logits, teacher, sup, depth, num_depths=k, per_depth=per_depth)
         loss = out.loss
         hit = jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)
@@ -169,7 +174,7 @@ def loss_and_metrics(
             pos = jnp.where(c >= 0, a + d, -1)
             spec = kernels.AttentionSpec.peagle(a, d, c)
             res = model(
-                _take(row_tok, r),
+                take_rows(row_tok, r),
                 jnp.concatenate(hidden, axis=1),
                 pos,
                 None,
@@ -208,23 +213,53 @@ class TrainStep:
         per_depth: bool,
         chain_decay: float,
         attention: str = "kernels",
+        segments: int | str = 1,
+        max_rows_per_segment: int = 8192,
+        mesh=None,
+        state=None,
     ):
+        """mesh: a (data, fsdp, tensor) Mesh (peagle_jax.sharding): the steps are jitted with explicit
+        shardings (parameters and optimizer state by its rule table, batch rows over data x fsdp,
+        logged scalars replicated); `state` = (params, opt_state, frozen) templates gives their
+        structures. Place the state with `place_state`; batches are this process's rows (`rows`)."""
         self.parts, self.optimizer = parts, optimizer
+        self.mesh = mesh
+        self.mode, self.k = mode, k
+        self.segments, self.max_rows = segments, max_rows_per_segment
+        resolve_segments(segments, 1, max_rows_per_segment)  # a bad value fails here, not at the first step
         self.target_def, self.target_state = target.graphdef, target.state
         self.aux_ids = tuple(target.aux_layer_ids)
         self.head_w = head_w
+        sh = None
+        if mesh is not None:
+            if getattr(target, "mesh", None) is not mesh:
+                self.target_state = shard_state(target.state, mesh)
+            sh = self._shardings(mesh, state)
+            self.head_w = jax.device_put(head_w, sh["head_w"])
         softcap = target.config.final_logit_softcapping
         kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=chain_decay, softcap=softcap, attention=attention)
         lossf = functools.partial(loss_and_metrics, parts, **kw)
+        seglossf = functools.partial(segmented_loss, parts, **kw)  # batches with "seg_rows" (see partition)
         aux_ids = self.aux_ids
         opt = optimizer
 
+        def constrain(m, rows):
+            # per-row outputs keep the batch split (each process reads its own rows); the rest is replicated
+            if sh is None:
+                return m
+            return jax.tree.map(
+                lambda x: jax.lax.with_sharding_constraint(x, sh["batch"] if rows and x.ndim >= 2 else sh["rep"]), m
+            )
+
         def from_features(params, opt_state, frozen, head_w, aux, y, batch):
-            (loss, m), grads = jax.value_and_grad(lossf, has_aux=True)(params, frozen, aux, y, head_w, batch)
+            if "seg_rows" in batch:
+                _, m, grads = seglossf(params, frozen, aux, y, head_w, batch)
+            else:
+                (_, m), grads = jax.value_and_grad(lossf, has_aux=True)(params, frozen, aux, y, head_w, batch)
             updates, opt_state = opt.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             m["grad_norm"] = optax.global_norm(grads)
-            return params, opt_state, m
+            return params, opt_state, constrain(m, True)
 
         def online(params, opt_state, frozen, head_w, tstate, batch):
             aux, y = features(target.graphdef, tstate, batch["tokens"], batch["positions"], aux_ids)
@@ -232,25 +267,121 @@ class TrainStep:
 
         def evaluate(params, frozen, head_w, tstate, batch):
             aux, y = features(target.graphdef, tstate, batch["tokens"], batch["positions"], aux_ids)
-            return lossf(params, frozen, aux, y, head_w, batch)[1]
+            if "seg_rows" in batch:
+                return constrain(seglossf(params, frozen, aux, y, head_w, batch, with_grads=False)[1], False)
+            return constrain(lossf(params, frozen, aux, y, head_w, batch)[1], False)
 
         def feats(tstate, tokens, positions):
             return features(target.graphdef, tstate, tokens, positions, aux_ids)
 
-        self._online = jax.jit(online, donate_argnums=(0, 1))
-        self._cached = jax.jit(from_features, donate_argnums=(0, 1))
-        self._eval = jax.jit(evaluate)
-        self._feats = jax.jit(feats)
+        if sh is None:
+            self._online = jax.jit(online, donate_argnums=(0, 1))
+            self._cached = jax.jit(from_features, donate_argnums=(0, 1))
+            self._eval = jax.jit(evaluate)
+            self._feats = jax.jit(feats)
+            return
+        p, o, f, b, rep, t, hw = (sh[n] for n in ("params", "opt", "frozen", "batch", "rep", "target", "head_w"))
+        out = (p, o, None)  # metrics: placed by `constrain`
+        self._online = jax.jit(online, in_shardings=(p, o, f, hw, t, b), out_shardings=out, donate_argnums=(0, 1))
+        self._cached = jax.jit(
+            from_features, in_shardings=(p, o, f, hw, b, b, b), out_shardings=out, donate_argnums=(0, 1)
+        )
+        self._eval = jax.jit(evaluate, in_shardings=(p, f, hw, t, rep), out_shardings=rep)
+        self._feats = jax.jit(feats, in_shardings=(t, rep, rep), out_shardings=rep)
+
+    def _shardings(self, mesh, state) -> dict:
+        if state is None:
+            raise ValueError("TrainStep(mesh=...) needs state=(params, opt_state, frozen) templates")
+        params, opt_state, frozen = state
+        return {
+            "params": tree_shardings(params, mesh),
+            "opt": tree_shardings(opt_state, mesh),
+            "frozen": tree_shardings(frozen, mesh),
+            "target": jax.tree.map(lambda x: x.sharding, self.target_state),
+            "head_w": role_sharding(mesh, "vocab_rows", 2),
+            "batch": role_sharding(mesh, "batch", 1),
+            "rep": role_sharding(mesh, "replicated", 0),
+        }
+
+    def place_state(self, params, opt_state, frozen):
+        """(params, opt_state, frozen) placed on the mesh by the rule table (unchanged without one)."""
+        if self.mesh is None:
+            return params, opt_state, frozen
+        return tuple(jax.device_put(x, tree_shardings(x, self.mesh)) for x in (params, opt_state, frozen))
+
+    def _blocks(self, n: int) -> list[tuple[int, int]]:
+        """The distinct [lo, hi) row blocks of an n-row batch that this process's devices hold."""
+        idx = role_sharding(self.mesh, "batch", 1).addressable_devices_indices_map((n,))
+        return sorted({i[0].indices(n)[:2] for i in idx.values()})
+
+    def rows(self, global_batch: int) -> tuple[int, int]:
+        """[lo, hi): the rows of a global batch this process feeds (all of them in one process).
+        The batch is split over data x fsdp, so its size must be a multiple of their product."""
+        if self.mesh is None:
+            return 0, global_batch
+        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if global_batch % split:
+            raise ValueError(
+                f"data.batch_size={global_batch} is not a multiple of mesh.data x mesh.fsdp = {split} "
+                "(each of those device groups takes whole sequences)"
+            )
+        blocks = self._blocks(global_batch)
+        if any(a[1] != b[0] for a, b in zip(blocks, blocks[1:])):
+            raise ValueError("this process's devices hold non-contiguous batch rows: use another mesh shape")
+        return blocks[0][0], blocks[-1][1]
+
+    def place_batch(self, local: dict) -> dict:
+        """This process's rows of a batch (host numpy, see `rows`) -> global arrays split over the mesh."""
+        if self.mesh is None:
+            return local
+        split = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        n = len(next(iter(local.values())))
+        total = n * split // len(self._blocks(split))
+        b = role_sharding(self.mesh, "batch", 1)
+        return {
+            k: jax.make_array_from_process_local_data(b, np.asarray(v), (total, *np.shape(v)[1:]))
+            for k, v in local.items()
+        }
+
+    def partition(self, batch: dict) -> dict:
+        """The batch with its segments' rows ("seg_rows", host numpy) when it is split into
+        more than one segment (train.segments); unchanged otherwise."""
+        if "seg_rows" in batch:
+            return batch
+        length, rows = np.shape(batch["tokens"])[1], np.shape(batch["anchor"])[1]
+        s = resolve_segments(self.segments, rows, self.max_rows)
+        if s == 1:
+            return batch
+        seg = segment_rows(batch["anchor"], batch["depth"], batch["doc"], length, s, self.mode, self.k)
+        if jax.process_count() > 1 and self.mode == "parallel":  # one global array: pad to the widest of any process
+            from jax.experimental import multihost_utils
+
+            width = int(np.max(multihost_utils.process_allgather(np.int32(seg.shape[2]))))
+            seg = np.pad(seg, ((0, 0), (0, 0), (0, width - seg.shape[2])), constant_values=rows)
+        return {**batch, "seg_rows": seg}
 
     def __call__(self, params, opt_state, frozen, batch: dict, feats=None):
+        batch = self.place_batch(self.partition(batch))
+        if feats is not None and self.mesh is not None:
+            feats = tuple(self.place_batch({"x": np.asarray(x)})["x"] for x in feats)
         if feats is None:
             return self._online(params, opt_state, frozen, self.head_w, self.target_state, batch)
         return self._cached(params, opt_state, frozen, self.head_w, feats[0], feats[1], batch)
 
+    def compile_cached(self, params, opt_state, frozen, aux, y, batch: dict):
+        """The cached-features step compiled ahead of time for these shapes (benchmarks read its
+        `memory_analysis()`, XLA's plan of the step's buffers)."""
+        return self._cached.lower(params, opt_state, frozen, self.head_w, aux, y, self.partition(batch)).compile()
+
     def evaluate(self, params, frozen, batch: dict):
+        batch = self.partition(batch)
+        if self.mesh is not None:  # a whole held-out batch, the same on every process
+            batch = jax.device_put(batch, role_sharding(self.mesh, "replicated", 0))
         return self._eval(params, frozen, self.head_w, self.target_state, batch)
 
     def features(self, tokens, positions):
+        if self.mesh is not None:
+            tokens, positions = jax.device_put((tokens, positions), role_sharding(self.mesh, "replicated", 0))
         return self._feats(self.target_state, tokens, positions)
 
 

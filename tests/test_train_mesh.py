@@ -1,0 +1,133 @@
+"""The trainer sharded over a device mesh: on 8 simulated CPU devices, meshes (data, fsdp,
+tensor) = (8,1,1), (1,8,1), (2,2,2), (1,4,2) train the same 3 steps as one device (losses and
+the trained head within 1e-5), a checkpoint written on (2,2,2) resumes on (8,1,1) and ends
+where the uninterrupted run ends, and a mesh or batch that does not fit is a one-line error.
+
+The 8-device runs of a test share one subprocess (the device count is fixed when JAX starts;
+the libraries are then loaded once). (2,2,2), the resume and the errors run by default; the
+other three meshes are `slow` (about a minute each on a loaded 2-core machine)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import train_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+SLOW_MESHES = [(8, 1, 1), (1, 8, 1), (1, 4, 2)]
+
+SCRIPT = textwrap.dedent("""
+    import contextlib, io, json, shutil, sys
+    from pathlib import Path
+    import jax
+    import train_runs
+    from train.__main__ import main
+
+    target, root = sys.argv[1], Path(sys.argv[2])
+    assert jax.device_count() == 8, jax.devices()
+    for mesh in json.loads(sys.argv[3]):
+        assert main(train_runs.flags(target, root / "m{}{}{}".format(*mesh), mesh)) == 0, mesh
+    report = {"errors": {}}
+    if sys.argv[4] == "meshes-only":
+        print(json.dumps(report))
+        sys.exit(0)
+    for name, extra in {"mesh": ["--mesh.data", "3"], "batch": ["--data.batch_size", "4"]}.items():
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = main(train_runs.flags(target, root / f"bad-{name}", (8, 1, 1) if name == "batch" else None) + extra)
+        report["errors"][name] = [rc, err.getvalue()]
+    # resume: the (2,2,2) run's step-2 checkpoint continued on an (8,1,1) mesh
+    shutil.copytree(root / "m222", root / "resumed")
+    shutil.rmtree(root / "resumed" / "checkpoints" / "3")
+    assert main(train_runs.flags(target, root / "resumed", (8, 1, 1))) == 0
+    report["resumed_from"] = json.loads((root / "resumed" / "summary.json").read_text())["resumed_from_step"]
+    # how the (2,2,2) run's checkpoint lay on the mesh (orbax records each array's sharding)
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as c:
+        md = c.metadata(root / "m222" / "checkpoints" / "3" / "state")
+    md = getattr(md, "item_metadata", md)
+    spec = lambda m: [list(a) if isinstance(a, tuple) else a for a in m.sharding.partition_spec]
+    report["params"] = {k: [list(v.shape), spec(v)] for k, v in md["params"].items()}
+    report["opt"] = [[list(v.shape), spec(v)] for v in md["opt"].values()]
+    print(json.dumps(report))
+""")
+
+
+def eight_devices(tmp_path_factory, meshes, what: str):
+    """(root of the runs, the one-device reference OUT, the script's report)."""
+    target, ref = train_runs.reference(str(tmp_path_factory.getbasetemp() / "train-reference"))
+    root = tmp_path_factory.mktemp("meshes")
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(target), str(root), json.dumps(meshes), what],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return root, ref, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    return eight_devices(tmp_path_factory, [(2, 2, 2)], "all")
+
+
+def check_mesh(root, ref, mesh) -> None:
+    out = root / "m{}{}{}".format(*mesh)
+    config = json.loads((out / "config.json").read_text())
+    assert config["mesh"] == {"data": mesh[0], "fsdp": mesh[1], "tensor": mesh[2]}
+    train_runs.assert_same_run(out, ref)
+
+
+def test_mesh_2x2x2_equals_one_device(mesh_runs):
+    root, ref, _ = mesh_runs
+    check_mesh(root, ref, (2, 2, 2))
+
+
+@pytest.mark.slow
+def test_meshes_8x1x1_1x8x1_1x4x2_equal_one_device(tmp_path_factory):
+    root, ref, _ = eight_devices(tmp_path_factory, SLOW_MESHES, "meshes-only")
+    for mesh in SLOW_MESHES:
+        check_mesh(root, ref, mesh)
+
+
+def test_checkpoint_from_another_mesh_resumes_identically(mesh_runs):
+    root, ref, report = mesh_runs
+    assert report["resumed_from"] == 2
+    train_runs.assert_same_run(root / "resumed", ref)
+
+
+def test_mesh_and_batch_that_do_not_fit_are_one_line_errors(mesh_runs):
+    _, _, report = mesh_runs
+    rc, err = report["errors"]["mesh"]
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "mesh.data=3" in err and "mesh.fsdp" in err and "8 devices" in err, err
+    rc, err = report["errors"]["batch"]
+    assert rc == 1 and len(err.strip().splitlines()) == 1, err
+    assert "data.batch_size=4" in err and "mesh.data x mesh.fsdp = 8" in err, err
+
+
+def test_state_lies_on_the_mesh_by_the_rule_table(mesh_runs):
+    _, _, report = mesh_runs
+    params = report["params"]
+    q_shape, q_spec = params["layers.0.self_attn.q_proj.kernel"]
+    assert q_spec == ["fsdp", "tensor"]  # column-parallel, the other dimension over fsdp
+    assert params["layers.0.self_attn.o_proj.kernel"][1] == ["tensor", "fsdp"]  # row-parallel
+    assert params["norm.weight"][1] in ([], [None])  # replicated
+    # AdamW's mu and nu of q_proj lie like q_proj
+    assert sum(1 for shape, spec in report["opt"] if shape == q_shape and spec == q_spec) >= 2

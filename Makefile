@@ -3,7 +3,7 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-fast test-slow lint demo clean
+.PHONY: test test-fast test-slow lint demo report clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -12,7 +12,7 @@ $(BIN)/python:
 # speculators (the independent PyTorch check) pins an older transformers; its import-time
 # needs come from the `speculators` extra and the package itself goes in without deps.
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[test,demo,train,speculators]'
+	$(BIN)/pip install -q -e '.[test,demo,train,speculators,report]'
 	$(BIN)/pip install -q --no-deps speculators==0.9.0
 	touch $@
 
@@ -26,8 +26,10 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# tests run in parallel workers (most of a test's time is single-threaded XLA compilation), one file
+# per worker at a time so that module fixtures (models, reference runs) are built once
 test: lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 # the minutes-long checks the default run leaves out (the released-size head, the MoE matrix)
 test-slow: $(VENV)/.installed-test
@@ -39,6 +41,11 @@ test-fast: $(VENV)/.installed-test
 # the main job: train a P-EAGLE head for the real Gemma-3-270M on ShareGPT, evaluate it, export it
 demo: $(VENV)/.installed-demo
 	$(BIN)/python -m train
+
+# P-EAGLE vs EAGLE-3 vs plain decoding on Gemma-3-270M -> docs/report.md (hours on a 2-core CPU;
+# resumable: rerun to continue; e.g. make report REPORT_ARGS='--budget 0.25')
+report: $(VENV)/.installed-test
+	$(BIN)/python -m infer.report $(REPORT_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -37,19 +37,38 @@ non_negative_float = _number(float, 0.0, 1e30, "a finite number >= 0")
 probability = _number(float, 1e-30, 1.0, "a number in (0, 1]")
 
 
-def _common(p: argparse.ArgumentParser) -> None:
+def k_list(text: str) -> list[int]:
+    """An argparse type: "7" or "1,3,5,7" (distinct positive integers, kept in order)."""
+    ks = [positive_int(t) for t in text.replace(" ", "").split(",") if t]
+    if not ks or len(set(ks)) != len(ks):
+        raise argparse.ArgumentTypeError(f"expected positive integers, comma separated, each once, got {text!r}")
+    return ks
+
+
+def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
     p.add_argument("--target", required=True, metavar="DIR", help="Hugging Face folder of the target model")
-    p.add_argument(
-        "--drafter",
-        metavar="DIR",
-        help="drafter checkpoint (ours, vLLM or speculators folder); needed unless --mode none",
-    )
-    p.add_argument("--k", type=positive_int, default=7, help="drafts per round")
+    if bench:
+        p.add_argument(
+            "--drafter",
+            metavar="DIR",
+            action="append",
+            help="drafter checkpoint (ours, vLLM or speculators folder); repeat the flag to compare "
+            "several heads in one run; needed unless --mode none",
+        )
+        p.add_argument("--k", type=k_list, default=[7], help="drafts per round: one K, or several (1,3,5,7)")
+    else:
+        p.add_argument(
+            "--drafter",
+            metavar="DIR",
+            help="drafter checkpoint (ours, vLLM or speculators folder); needed unless --mode none",
+        )
+        p.add_argument("--k", type=positive_int, default=7, help="drafts per round")
     p.add_argument(
         "--mode",
-        default="parallel",
+        default=None,
         choices=["parallel", "chain", "none"],
-        help="parallel = P-EAGLE (one drafter pass), chain = EAGLE-3, none = plain decoding",
+        help="parallel = P-EAGLE (one drafter pass), chain = EAGLE-3, none = plain decoding "
+        "(default: each head's own mode)",
     )
     p.add_argument(
         "--dtype",
@@ -95,17 +114,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         "bench",
         help="baseline vs speculative decoding on a prompt set",
         formatter_class=Formatter,
-        description="Plain decoding and speculative decoding on the same prompts, "
-        "interleaved, with speedup and acceptance statistics.",
+        description="Plain decoding and one or more drafter heads (at one or more K) on the same "
+        "prompts, interleaved batch by batch, with speedup and acceptance statistics.",
     )
-    _common(bench)
+    _common(bench, bench=True)
     bench.add_argument("--prompts", default="mtbench", help="mtbench | humaneval | a JSONL file")
     bench.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts (default: all)")
+    bench.add_argument(
+        "--max-prompt-tokens", type=positive_int, default=None, help="leave out longer prompts (default: none)"
+    )
     bench.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
     bench.add_argument("--json", dest="json_out", metavar="FILE", help="write all results to this file")
     args = parser.parse_args(argv)
     if args.mode != "none" and not args.drafter:
-        parser.error(f"--mode {args.mode} needs --drafter DIR (or use --mode none)")
+        parser.error(
+            f"--mode {args.mode} needs --drafter DIR" if args.mode else "--drafter DIR is needed (or --mode none)"
+        )
+    if args.command == "bench" and args.drafter and len(set(args.drafter)) != len(args.drafter):
+        parser.error("--drafter: the same folder is given twice")
     return args
 
 
@@ -144,28 +170,28 @@ def status(message: str) -> None:
 
 
 def _load(args):
+    """(target, [(folder, drafter)], stop ids): the drafters of --drafter, none with --mode none."""
     import peagle_jax as pj
-    from peagle_jax.generation import SpeculativeDecoder
 
     t0 = time.perf_counter()
     status(f"loading target {args.target} ...")
     target = pj.load_target(args.target, dtype=None if args.dtype == "auto" else args.dtype)
-    drafter = None if args.mode == "none" else pj.load_drafter(args.drafter)
-    status(
-        f"loaded {target!r}" + ("" if drafter is None else f" and {drafter!r}") + f" in {time.perf_counter() - t0:.1f}s"
-    )
+    folders = [] if args.mode == "none" else args.drafter
+    folders = [folders] if isinstance(folders, str) else folders
+    drafters = [(folder, pj.load_drafter(folder)) for folder in folders]
+    status(f"loaded {target!r}" + "".join(f" and {d!r}" for _, d in drafters) + f" in {time.perf_counter() - t0:.1f}s")
     stops = None if args.stop_token_ids is None else _ids(args.stop_token_ids, "--stop-token-ids")
-
-    def make(mode, **kw):
-        return SpeculativeDecoder(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k, **kw)
-
-    return target, drafter, make, stops
+    return target, drafters, stops
 
 
 def run_generate(args) -> None:
-    _, _, make, stops = _load(args)
+    from peagle_jax.generation import SpeculativeDecoder
+
+    target, drafters, stops = _load(args)
+    drafter = drafters[0][1] if drafters else None
+    mode = args.mode or drafter.config.mode
     prompts = [args.prompt] if args.prompt is not None else read_prompt_ids(args.prompt_ids)
-    dec = make(args.mode)
+    dec = SpeculativeDecoder(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k)
     status("compiling and generating (the first call compiles) ...")
     res = dec.generate(
         prompts,
@@ -192,10 +218,14 @@ def _work(args) -> int:
     if args.command == "generate":
         run_generate(args)
         return 0
-    from infer.bench import run_bench
+    from infer.bench import Head, run_bench
 
-    target, drafter, make, stops = _load(args)
-    run_bench(args, target, drafter, make, stops)
+    target, drafters, stops = _load(args)
+    if args.mode == "none":
+        heads = [Head("plain", None, "none")]
+    else:
+        heads = [Head(folder, d, args.mode or d.config.mode) for folder, d in drafters]
+    run_bench(args, target, heads, stops)
     return 0
 
 

@@ -1,12 +1,16 @@
-"""`python -m infer bench`: baseline (mode none) vs speculative decoding on the same prompts.
+"""`python -m infer bench`: plain decoding vs one or more drafter heads at one or more K.
 
-Both decoders share one target and one compiled shape (prompts padded to the longest, one
-cache length), run interleaved prompt by prompt so machine noise hits both alike, and
-compile time is excluded by a warm-up pass.
+Every decoder (plain, and each head at each K) shares one target and one compiled shape
+(prompts padded to the longest, one cache length sized for the largest K), and they run
+interleaved batch by batch (plain first, then every head and K on the same prompts), so
+machine noise hits all of them alike and the ratios are measured side by side. Compile time
+is excluded by a warm-up pass. Greedy outputs of every head are checked equal to plain
+decoding's, prompt by prompt (mismatches counted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import statistics
@@ -25,14 +29,23 @@ from peagle_jax.generation import SpeculativeDecoder, encode_prompt
 from peagle_jax.prompts import load_prompts
 
 
+@dataclasses.dataclass
+class Head:
+    """A drafter under test: its label in tables, the loaded drafter, and its mode."""
+
+    label: str
+    drafter: object
+    mode: str
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _draft_only(cfg, ddef, dstate, tokens, aux, positions, bonus_slot, cache):
     return sp.draft(cfg, nnx.merge(ddef, dstate), tokens, aux, positions, bonus_slot, cache)[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _verify_only(cfg, tdef, tstate, tokens, positions, cache):
-    out = nnx.merge(tdef, tstate)(tokens, positions, cache, aux_layer_ids=cfg.aux_layer_ids)
+def _verify_only(aux_layer_ids, tdef, tstate, tokens, positions, cache):
+    out = nnx.merge(tdef, tstate)(tokens, positions, cache, aux_layer_ids=aux_layer_ids)
     return out.logits, out.aux_hidden
 
 
@@ -59,10 +72,12 @@ def round_ms(dec: SpeculativeDecoder, prompt, reps: int = 5) -> float:
     return 1000 * statistics.median(times)
 
 
-def round_breakdown(dec: SpeculativeDecoder, prompt, reps: int = 5) -> dict:
+def round_breakdown(dec: SpeculativeDecoder, prompts, reps: int = 5) -> dict:
     """Milliseconds per round of the drafter alone (half the drafts accepted) and of the
-    target's verification of K+1 tokens alone, timed on the state after `prompt`."""
-    cfg, _, state = dec.start([prompt], max_new_tokens=8)
+    target's verification of K+1 tokens alone, timed on the state after `prompts` (one
+    prompt, or a batch of them)."""
+    batch = prompts if prompts and isinstance(prompts[0], (list, tuple)) else [prompts]
+    cfg, _, state = dec.start(batch, max_new_tokens=8)
     tdef, tstate, ddef, dstate = dec.modules()
     k, b = dec.k, state.last.shape[0]
     slots = jnp.arange(k + 1)[None, :]
@@ -70,7 +85,7 @@ def round_breakdown(dec: SpeculativeDecoder, prompt, reps: int = 5) -> dict:
     tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
     result = {
         "target_ms_per_round": _median_ms(
-            lambda: _verify_only(cfg, tdef, tstate, tokens, positions, state.target_cache), reps
+            lambda: _verify_only(cfg.aux_layer_ids, tdef, tstate, tokens, positions, state.target_cache), reps
         )
     }
     if dec.mode != "none":
@@ -87,92 +102,161 @@ def _batches(items, size):
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def run_bench(args, target, drafter, make, stop_token_ids=None) -> dict:
-    conversations = load_prompts(args.prompts, limit=args.limit)
-    if not conversations:
-        raise ValueError(f"--prompts {args.prompts}: no prompts")
-    ids = [encode_prompt(target.tokenizer, c) for c in conversations]
-    longest = max(len(i) for i in ids)
-    # one shape for both decoders and every batch: prompts padded to the longest, one cache length
-    pad = kv.round_up(longest, kv.LENGTH_MULTIPLE)
-    shape = dict(prompt_pad=pad, cache_len=kv.bucket_length(pad, args.max_new_tokens, args.k))
-    base, spec = make("none", **shape), make(args.mode, **shape)
+def prompt_ids(target, source: str, limit: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
+    """Token ids of the prompts of `source` (mtbench | humaneval | a JSONL file) in the target's
+    format; with `max_tokens`, longer prompts are left out; at most `limit` of them."""
+    ids = []
+    for conversation in load_prompts(source):
+        row = encode_prompt(target.tokenizer, conversation)
+        if max_tokens is None or len(row) <= max_tokens:
+            ids.append(row)
+        if limit is not None and len(ids) >= limit:
+            break
+    if not ids:
+        raise ValueError(f"--prompts {source}: no prompts" + (f" of at most {max_tokens} tokens" if max_tokens else ""))
+    return ids
+
+
+def shape_for(prompts: list[list[int]], max_new_tokens: int, k_max: int) -> dict:
+    """One compiled shape for every decoder: prompts padded to the longest, one cache length."""
+    pad = kv.round_up(max(len(p) for p in prompts), kv.LENGTH_MULTIPLE)
+    return dict(prompt_pad=pad, cache_len=kv.bucket_length(pad, max_new_tokens, k_max))
+
+
+def compare(
+    target,
+    heads: list[Head],
+    ks: list[int],
+    prompts: list[list[int]],
+    *,
+    batch_size: int = 1,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_token_ids=None,
+    deep_k: str = "error",
+    shape: dict | None = None,
+    progress: bool = True,
+) -> dict:
+    """Plain decoding and every head at every K on `prompts` (token ids), interleaved batch
+    by batch. Returns {"baseline": {...}, "runs": [one summary per (head, K)], "per_batch": [...]}."""
+    shape = shape or shape_for(prompts, max_new_tokens, max(ks))
+    base = SpeculativeDecoder(target, mode="none", **shape)
+    runs = [
+        (h, k, SpeculativeDecoder(target, h.drafter, k=k, mode=h.mode, deep_k=deep_k, **shape))
+        for h in heads
+        for k in ks
+    ]
     kw = dict(
+        max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids
+    )
+    batches = _batches(prompts, batch_size)
+    for name, dec in [("plain", base)] + [(f"{h.label} k={k}", d) for h, k, d in runs]:  # compile outside timings
+        t0 = time.perf_counter()
+        dec.generate(batches[0], **kw)
+        print(f"[infer] warm-up ({name}, compilation included): {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    per_batch = []
+    for batch in tqdm(batches, desc=f"bench b={batch_size}", file=sys.stderr, disable=not progress):
+        b = base.generate(batch, **kw)
+        row = {"base": b.stats, "runs": []}
+        for _, _, dec in runs:
+            s = dec.generate(batch, **kw)
+            same = [x == y for x, y in zip(b.tokens, s.tokens)] if temperature == 0 else None
+            row["runs"].append({**s.stats, "same": same})
+        per_batch.append(row)
+    baseline = _totals([r["base"] for r in per_batch])
+    summaries = []
+    for i, (h, k, dec) in enumerate(runs):
+        summary = summarize([r["base"] for r in per_batch], [r["runs"][i] for r in per_batch], dec.k, batch_size)
+        summary.update(head=h.label, mode=h.mode, k=k, prompts=len(prompts))
+        summary.update(round_breakdown(dec, batches[0]))
+        summary["drafter_ms"] = summary.get("drafter_ms_per_round", 0.0)
+        summary["verify_ms"] = summary["target_ms_per_round"]
+        summaries.append(summary)
+    return {
+        "batch_size": batch_size,
+        "batches": len(batches),
+        "prompts": len(prompts),
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "baseline": baseline,
+        "runs": summaries,
+        "per_batch": per_batch,
+    }
+
+
+def _totals(stats: list[dict]) -> dict:
+    new = sum(s["new_tokens"] for s in stats)
+    seconds = sum(s["seconds"] for s in stats)
+    return {"new_tokens": new, "seconds": seconds, "tokens_per_second": new / seconds}
+
+
+def summarize(base: list[dict], spec: list[dict], k: int, batch_size: int) -> dict:
+    """One head at one K over every batch: token-weighted speeds, round-weighted acceptance."""
+    b, s = _totals(base), _totals(spec)
+    rounds = sum(x["rounds"] for x in spec)
+    acc = sum(x["acceptance_length"] * x["rounds"] for x in spec) / max(rounds, 1)
+    per_pos = [sum(x["per_position_acceptance"][i] * x["rounds"] for x in spec) / max(rounds, 1) for i in range(k)]
+    same = None if spec[0]["same"] is None else [v for x in spec for v in x["same"]]
+    return {
+        "new_tokens": s["new_tokens"],
+        "baseline_tokens_per_second": b["tokens_per_second"],
+        "tokens_per_second": s["tokens_per_second"],
+        "speculative_tokens_per_second": s["tokens_per_second"],
+        "speedup": s["tokens_per_second"] / b["tokens_per_second"],
+        "acceptance_length": acc,
+        "per_position_acceptance": per_pos,
+        "ms_per_round": 1000 * s["seconds"] / max(rounds / batch_size, 1),
+        "greedy_mismatches": None if same is None else same.count(False),
+        "identical_greedy_outputs": None if same is None else all(same),
+        "median_batch_speedup": statistics.median(
+            x["tokens_per_second"] / y["tokens_per_second"] for x, y in zip(spec, base)
+        ),
+    }
+
+
+def run_bench(args, target, heads: list[Head], stop_token_ids=None) -> dict:
+    """The command: `compare` on `--prompts`, a table on stdout, everything in `--json`. With
+    one head and one K the summary's keys also sit at the top level (the single-drafter form)."""
+    ids = prompt_ids(target, args.prompts, args.limit, args.max_prompt_tokens)
+    result = compare(
+        target,
+        heads,
+        args.k,
+        ids,
+        batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_p=args.top_p,
         seed=args.seed,
         stop_token_ids=stop_token_ids,
+        deep_k=args.deep_k,
     )
-    batches = _batches(ids, args.batch_size)
-    for name, dec in (("plain", base), (args.mode, spec)):  # warm-up: compile outside the timings
-        t0 = time.perf_counter()
-        dec.generate(batches[0], **kw)
-        print(
-            f"[infer] warm-up ({name}, compilation included): {time.perf_counter() - t0:.1f}s",
-            file=sys.stderr,
-            flush=True,
-        )
-    rows = []
-    for batch in tqdm(batches, desc=f"bench {args.mode} k={args.k}", file=sys.stderr):
-        b = base.generate(batch, **kw)
-        s = spec.generate(batch, **kw)
-        rows.append(
-            {"base": b.stats, "spec": s.stats, "same_tokens": b.tokens == s.tokens if args.temperature == 0 else None}
-        )
-    result = summarize(args, rows)
-    result.update(round_breakdown(spec, batches[0][0]))
+    result["prompts"] = args.prompts
+    if len(result["runs"]) == 1:
+        result.update({key: v for key, v in result["runs"][0].items() if key != "prompts"})
     _print(result)
     if args.json_out:
-        _write_json(args.json_out, {**result, "per_batch": rows})
+        atomic_write_text(args.json_out, json.dumps(result, indent=1))
     return result
 
 
-def summarize(args, rows) -> dict:
-    def total(key, side):
-        return sum(r[side][key] for r in rows)
-
-    base_tps = total("new_tokens", "base") / total("seconds", "base")
-    spec_tps = total("new_tokens", "spec") / total("seconds", "spec")
-    rounds = total("rounds", "spec")
-    acc = sum(r["spec"]["acceptance_length"] * r["spec"]["rounds"] for r in rows) / max(rounds, 1)
-    per_pos = [
-        sum(r["spec"]["per_position_acceptance"][i] * r["spec"]["rounds"] for r in rows) / max(rounds, 1)
-        for i in range(args.k if args.mode != "none" else 0)
-    ]
-    return {
-        "prompts": args.prompts,
-        "mode": args.mode,
-        "k": args.k,
-        "batches": len(rows),
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "baseline_tokens_per_second": base_tps,
-        "speculative_tokens_per_second": spec_tps,
-        "speedup": spec_tps / base_tps,
-        "acceptance_length": acc,
-        "per_position_acceptance": per_pos,
-        "ms_per_round": 1000 * total("seconds", "spec") / max(rounds / args.batch_size, 1),
-        "identical_greedy_outputs": all(r["same_tokens"] for r in rows) if args.temperature == 0 else None,
-        "median_batch_speedup": statistics.median(
-            (r["spec"]["tokens_per_second"] / r["base"]["tokens_per_second"]) for r in rows
-        ),
-    }
-
-
 def _print(r: dict) -> None:
-    print(f"{'prompts':<28}{r['prompts']}")
-    print(f"{'mode / k':<28}{r['mode']} / {r['k']}")
-    print(f"{'baseline tokens/s':<28}{r['baseline_tokens_per_second']:.2f}")
-    print(f"{'speculative tokens/s':<28}{r['speculative_tokens_per_second']:.2f}")
-    print(f"{'speedup':<28}{r['speedup']:.2f}x")
-    print(f"{'acceptance length':<28}{r['acceptance_length']:.3f}")
-    print(f"{'per-position acceptance':<28}" + " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]))
-    print(f"{'ms per round':<28}{r['ms_per_round']:.1f}")
-    print(f"{'drafter / target ms':<28}{r.get('drafter_ms_per_round', 0):.1f} / {r['target_ms_per_round']:.1f}")
-    if r["identical_greedy_outputs"] is not None:
-        print(f"{'identical greedy outputs':<28}{r['identical_greedy_outputs']}")
-
-
-def _write_json(path: str, data: dict) -> None:
-    atomic_write_text(path, json.dumps(data, indent=1))
+    base = r["baseline"]["tokens_per_second"]
+    print(f"prompts {r['prompts']}, {r['batches']} batches of {r['batch_size']}, plain decoding {base:.2f} tokens/s")
+    header = f"{'head':<24}{'mode':<10}{'K':>3}{'accept':>8}{'tok/s':>9}{'speedup':>9}{'draft ms':>10}{'verify ms':>11}"
+    header += f"{'mismatch':>10}  per-position acceptance"
+    print(header)
+    for x in r["runs"]:
+        mism = "-" if x["greedy_mismatches"] is None else f"{x['greedy_mismatches']}/{x['prompts']}"
+        print(
+            f"{x['head'][-23:]:<24}{x['mode']:<10}{x['k']:>3}{x['acceptance_length']:>8.3f}{x['tokens_per_second']:>9.2f}"
+            f"{x['speedup']:>8.2f}x{x['drafter_ms']:>10.1f}{x['verify_ms']:>11.1f}{mism:>10}  "
+            + " ".join(f"{a:.2f}" for a in x["per_position_acceptance"])
+        )
+    if len(r["runs"]) == 1:  # the single-drafter lines
+        x = r["runs"][0]
+        print(f"{'speedup':<28}{x['speedup']:.2f}x")
+        if x["identical_greedy_outputs"] is not None:
+            print(f"{'identical greedy outputs':<28}{x['identical_greedy_outputs']}")

@@ -234,7 +234,13 @@ def test_prompt_ids_and_help_defaults(tiny, tmp_path, capsys):
     assert len(json.loads(capsys.readouterr().out)["outputs"]) == 2
     assert infer_main(["generate", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for default in ("(default: parallel)", "(default: auto)", "(default: 128)", "(default: 0.0)", "(default: 1.0)"):
+    for default in (
+        "(default: each head's own mode)",
+        "(default: auto)",
+        "(default: 128)",
+        "(default: 0.0)",
+        "(default: 1.0)",
+    ):
         assert default in text, default
 
 

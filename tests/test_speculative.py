@@ -43,9 +43,11 @@ def test_lossless_greedy_matches_plain_and_transformers(models, kind):
     prompts = _prompts(4, seed=1)
     plain = SpeculativeDecoder(target, mode="none").generate(prompts, max_new_tokens=NEW)
     assert plain.tokens == [_hf_greedy(hf, p, NEW) for p in prompts]
+    # every K on one family; the others (same drafter code, other target layers) at one K per mode
+    ks = {"parallel": (1, 3, 7), "chain": (1, 3, 7)} if kind.startswith("llama") else {"parallel": (7,), "chain": (3,)}
     for mode in ("parallel", "chain"):
         drafter = pj.new_drafter(target, num_layers=1, mode=mode, seed=3)
-        for k in (1, 3, 7):
+        for k in ks[mode]:
             res = SpeculativeDecoder(target, drafter, k=k, mode=mode).generate(prompts, max_new_tokens=NEW)
             assert res.tokens == plain.tokens, (mode, k)
             assert 1.0 <= res.stats["acceptance_length"] <= k + 1
@@ -112,7 +114,7 @@ def test_lossless_greedy_with_an_agreeing_drafter_batch1_and_4(successor, mode):
     assert plain.tokens[0] == [(prompts[0][-1] + 1 + i) % hf_tiny.VOCAB for i in range(NEW)]
     assert plain.tokens[0] == _hf_greedy(hf, prompts[0], NEW)
     drafter = _skip_ahead_drafter(target, mode)
-    for k in (1, 3, 7):
+    for k in (1, 7):  # K = 3 with a random drafter: test_lossless_greedy_matches_plain_and_transformers
         dec = SpeculativeDecoder(target, drafter, k=k, mode=mode)
         res = dec.generate(prompts, max_new_tokens=NEW)
         assert res.tokens == plain.tokens, k

@@ -22,6 +22,7 @@ def test_tpu_interpret_deterministic():
     kt.assert_deterministic(kt.CASE_COD_F32_LONG, "tpu", interpret="generic")
 
 
+@pytest.mark.slow  # ~40-80 s: simulated SMEM/VMEM and DMAs; the generic interpreter checks the matrix above
 def test_tpu_interpret_mode_matches_reference():
     # TPU interpret mode is slow on CPU (~0.1 s per grid step): a small two-block problem
     case = kt.Case(

@@ -24,6 +24,9 @@ every step), so step j's hidden input is the previous step's pre-norm state of t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,19 +147,33 @@ def segmented_loss(
 
     ctx_a, ctx_d, ctx_c = anchor[:, :length], depth[:, :length], doc[:, :length]
 
+    def depth0(p):
+        """The depth-0 rows, once for every segment: pre-norm states [B, L, H] and per layer the
+        (k, v) the segments' deeper rows attend to."""
+        model = parts.merge(p, frozen)
+        hidden = aux.astype(model.mask_hidden.dtype if mode == "parallel" else jnp.float32)
+        spec = kernels.AttentionSpec.peagle(ctx_a, ctx_d, ctx_c)
+        g = model.fuse(hidden)
+        context = model.empty_context(bsz, g.dtype)
+        res = model(row_tok, g, jnp.where(ctx_c >= 0, ctx_a, -1), None, spec, backend, context=context)
+        return res.prenorm, res.cache
+
     def rows_of(s, idx):
-        """Metadata of the segment's forward rows: context (L) then its deeper rows (R)."""
-        hi = bounds[s + 1]
+        """Metadata of the segment's deeper rows (R) and the depth-0 rows it owns."""
         valid = idx < n
         ii = jnp.minimum(idx, n - 1)
-        a = jnp.concatenate([ctx_a, take_rows(anchor, ii)], axis=1)
-        d = jnp.concatenate([ctx_d, take_rows(depth, ii)], axis=1)
-        c = jnp.concatenate([jnp.where(ctx_a < hi, ctx_c, -1), jnp.where(valid, take_rows(doc, ii), -1)], axis=1)
+        a, d = take_rows(anchor, ii), take_rows(depth, ii)
+        c = jnp.where(valid, take_rows(doc, ii), -1)
         # the depth-0 rows it owns: one static-size slice, rows outside [lo, hi) masked
         start = jnp.minimum(bounds[s], length - c0)
         own0 = start + jnp.arange(c0)
-        owned0 = (own0 >= bounds[s]) & (own0 < hi)
+        owned0 = (own0 >= bounds[s]) & (own0 < bounds[s + 1])
         return a, d, c, valid, own0, owned0
+
+    def spec_over_context(a, d, c):
+        """The P-EAGLE rule for rows (a, d, c) over the depth-0 rows, then themselves."""
+        cat = functools.partial(jnp.concatenate, axis=1)
+        return kernels.AttentionSpec.make(a, d, c, cat([ctx_a, a]), cat([ctx_d, d]), cat([ctx_c, c]))
 
     def row_loss(model, pre, la, ld, lc, owned):
         """KL and hits of loss rows from their pre-norm states (teacher per row, at ref)."""
@@ -169,82 +186,90 @@ def segmented_loss(
         hit = jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)
         return kl, hit, mask
 
-    def parallel(model, s, idx):
+    def parallel(model, s, idx, pre0, kv0):
         a, d, c, valid, own0, owned0 = rows_of(s, idx)
-        mask_hidden = model.mask_hidden[...]
-        aux_rows = jnp.concatenate(
-            [aux.astype(mask_hidden.dtype), jnp.broadcast_to(mask_hidden, (bsz, r, mask_hidden.shape[-1]))], axis=1
-        )
-        tok = jnp.concatenate([row_tok, jnp.full((bsz, r), model.config.mask_token_id, row_tok.dtype)], axis=1)
+        g = jnp.broadcast_to(model.mask_g(), (bsz, r, model.config.hidden_size))
+        tok = jnp.full((bsz, r), model.config.mask_token_id, row_tok.dtype)
         positions = jnp.where(c >= 0, a + d, -1)
-        spec = kernels.AttentionSpec.peagle(a, d, c)
-        pre = model(tok, model.fuse(aux_rows), positions, None, spec, backend).prenorm  # logits never built here
-        loss_idx = jnp.concatenate([own0, length + jnp.arange(r)])
+        res = model(tok, g, positions, None, spec_over_context(a, d, c), backend, context=kv0)
         owned = jnp.concatenate([jnp.broadcast_to(owned0, (bsz, c0)), valid], axis=1)
-        la, ld, lc = a[:, loss_idx], d[:, loss_idx], c[:, loss_idx]
-        kl, hit, mask = row_loss(model, pre[:, loss_idx], la, ld, lc, owned)
+        la = jnp.concatenate([jnp.broadcast_to(own0, (bsz, c0)), a], axis=1)
+        ld = jnp.concatenate([jnp.zeros((bsz, c0), d.dtype), d], axis=1)
+        lc = jnp.concatenate([take_rows(ctx_c, own0), c], axis=1)
+        pre = jnp.concatenate([take_rows(pre0, own0), res.prenorm], axis=1)  # logits never built for all rows
+        kl, hit, mask = row_loss(model, pre, la, ld, lc, owned)
         onehot = jax.nn.one_hot(ld, k, dtype=jnp.float32)
         if per_depth:
             loss = jnp.sum(jnp.sum(onehot * kl[..., None], axis=(0, 1)) * depth_weight)
         else:
             loss = jnp.sum(kl) / (rows_total + EPS)
-        return loss, (onehot, hit, mask, owned, loss_idx)
+        return loss, (onehot, hit, mask, owned, own0)
 
-    def chain(model, s, idx):
+    def chain(model, s, idx, pre0, kv0):
         a, d, c, valid, own0, owned0 = rows_of(s, idx)
         width = r // (k - 1) if k > 1 else 0
-        ref = jnp.clip(a + d, 0, length - 1)
-        tok = take_rows(row_tok, ref)  # teacher-forced tokens at every step
-        hidden = [model.fuse(aux.astype(jnp.float32))]
-        loss = jnp.zeros((), jnp.float32)
-        hits, masks, owns = [], [], []
-        for j in range(k):
-            m = length + j * width
-            aj, dj, cj = a[:, :m], d[:, :m], c[:, :m]
-            spec = kernels.AttentionSpec.peagle(aj, dj, cj)
-            pos = jnp.where(cj >= 0, aj + dj, -1)
-            pre_all = model(tok[:, :m], jnp.concatenate(hidden, axis=1), pos, None, spec, backend).prenorm
-            if j == 0:
-                sl = own0
-                own = jnp.broadcast_to(owned0, (bsz, c0))
-                nxt = take_rows(pre_all, jnp.clip(a[:, length : length + width], 0, length - 1))  # step 1's anchors
-            else:
-                sl = length + (j - 1) * width + jnp.arange(width)
-                own = valid[:, (j - 1) * width : j * width]
-                nxt = pre_all[:, sl]
-            kl, hit, mask = row_loss(model, pre_all[:, sl], a[:, sl], d[:, sl], c[:, sl], own)
+        tok = take_rows(row_tok, jnp.clip(a + d, 0, length - 1))  # teacher-forced tokens at every step
+        # step 0 is the depth-0 pass; its states at step 1's anchors feed step 1
+        kl, hit, mask = row_loss(
+            model, take_rows(pre0, own0), own0, jnp.zeros_like(own0), take_rows(ctx_c, own0), owned0
+        )
+        loss = jnp.sum(kl) / (counts[0] + EPS)
+        hits, masks, owns = [hit], [mask], [jnp.broadcast_to(owned0, (bsz, c0))]
+        hidden = model.feedback(take_rows(pre0, jnp.clip(a[:, :width], 0, length - 1)))
+        context = kv0
+        for j in range(1, k):  # step j runs its own rows over the keys the earlier steps left
+            lo, hi = (j - 1) * width, j * width
+            aj, dj, cj = a[:, lo:hi], d[:, lo:hi], c[:, lo:hi]
+            spec = spec_over_context(a[:, :hi], d[:, :hi], c[:, :hi])
+            spec = dataclasses.replace(spec, q_anchor=aj, q_depth=dj, q_doc=cj)
+            res = model(tok[:, lo:hi], hidden, jnp.where(cj >= 0, aj + dj, -1), None, spec, backend, context=context)
+            context = model.extend_context(context, res.cache)
+            own = valid[:, lo:hi]
+            kl, hit, mask = row_loss(model, res.prenorm, aj, dj, cj, own)
             loss = loss + (chain_decay**j) * jnp.sum(kl) / (counts[j] + EPS)
-            hidden.append(model.feedback(nxt))
+            hidden = model.feedback(res.prenorm)
             hits.append(hit), masks.append(mask), owns.append(own)
-        loss_idx = jnp.concatenate([own0, length + jnp.arange(r)])
-        onehot = jax.nn.one_hot(d[:, loss_idx], k, dtype=jnp.float32)
+        onehot = jax.nn.one_hot(jnp.concatenate([jnp.zeros((bsz, c0), d.dtype), d], axis=1), k, dtype=jnp.float32)
         hit, mask, owned = (jnp.concatenate(x, axis=1) for x in (hits, masks, owns))
-        return loss, (onehot, hit, mask, owned, loss_idx)
+        return loss, (onehot, hit, mask, owned, own0)
 
-    def segment(p, s, idx):
+    def segment(p, s, idx, pre0, kv0):
         model = parts.merge(p, frozen)
-        return (parallel if mode == "parallel" else chain)(model, s, idx)
+        return (parallel if mode == "parallel" else chain)(model, s, idx, pre0, kv0)
+
+    if with_grads:
+        (pre0, kv0), depth0_vjp = jax.vjp(depth0, params)
+    else:
+        pre0, kv0 = depth0(params)
+    f32 = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
 
     def body(carry, xs):
         gacc, loss, correct, total, hit_all = carry
         s, idx = xs
         if with_grads:
-            (ls, (onehot, hit, mask, owned, loss_idx)), g = jax.value_and_grad(segment, has_aux=True)(params, s, idx)
+            (ls, (onehot, hit, mask, owned, own0)), g = jax.value_and_grad(segment, argnums=(0, 3, 4), has_aux=True)(
+                params, s, idx, pre0, kv0
+            )
             gacc = jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), gacc, g)
         else:
-            ls, (onehot, hit, mask, owned, loss_idx) = segment(params, s, idx)
+            ls, (onehot, hit, mask, owned, own0) = segment(params, s, idx, pre0, kv0)
         weighted = onehot * mask[..., None]
         correct = correct + jnp.sum(weighted * hit[..., None], axis=(0, 1))
         total = total + jnp.sum(weighted, axis=(0, 1))
         # hits back to the batch's row order (rows not owned here go to index n: dropped)
-        dest = jnp.where(owned, jnp.concatenate([jnp.broadcast_to(loss_idx[:c0], (bsz, c0)), idx], axis=1), n)
+        dest = jnp.where(owned, jnp.concatenate([jnp.broadcast_to(own0, (bsz, c0)), idx], axis=1), n)
         hit_all = hit_all.at[jnp.arange(bsz)[:, None], dest].set(hit, mode="drop")
         return (gacc, loss + ls, correct, total, hit_all), None
 
     zeros_k = jnp.zeros((k,), jnp.float32)
-    gacc0 = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params) if with_grads else None
+    gacc0 = f32((params, pre0, kv0)) if with_grads else None
     init = (gacc0, jnp.zeros((), jnp.float32), zeros_k, zeros_k, jnp.zeros((bsz, n), bool))
     (gacc, loss, correct, total, hit), _ = jax.lax.scan(body, init, (jnp.arange(nseg), seg_rows))
-    grads = jax.tree.map(lambda g, x: g.astype(x.dtype), gacc, params) if with_grads else None
+    grads = None
+    if with_grads:  # the segments' gradients, plus the depth-0 pass's from their summed cotangents
+        g_params, g_pre0, g_kv0 = gacc
+        cast = functools.partial(jax.tree.map, lambda g, x: g.astype(x.dtype))
+        (g_depth0,) = depth0_vjp((cast(g_pre0, pre0), cast(g_kv0, kv0)))
+        grads = jax.tree.map(lambda a, b, x: (a + b.astype(jnp.float32)).astype(x.dtype), g_params, g_depth0, params)
     metrics = {"loss": loss, "correct": correct, "total": total, "hit": hit, "sup": sup}
     return loss, metrics, grads

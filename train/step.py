@@ -162,33 +162,35 @@ def loss_and_metrics(
         hit = jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)
         correct, total = out.correct, out.total
     else:
+        # the training-time test: step j runs only its own L rows, over the keys and values that
+        # steps 0..j-1 left (`context`), so every row is computed once (k passes of L rows)
         length = aux.shape[1]
-        g = model.fuse(aux.astype(jnp.float32))
-        hidden = [g]
+        hidden = model.fuse(aux.astype(jnp.float32))
+        context = model.empty_context(aux.shape[0], hidden.dtype)
         loss = jnp.zeros((), jnp.float32)
         hits, corrects, totals = [], [], []
         for j in range(k):
-            n = (j + 1) * length
-            a, d, c = anchor[:, :n], depth[:, :n], doc[:, :n]
-            r = jnp.clip(a + d, 0, length - 1)
-            pos = jnp.where(c >= 0, a + d, -1)
-            spec = kernels.AttentionSpec.peagle(a, d, c)
+            rows = slice(j * length, (j + 1) * length)
+            a, d, c = anchor[:, rows], depth[:, rows], doc[:, rows]
+            spec = kernels.AttentionSpec.make(
+                a, d, c, anchor[:, : (j + 1) * length], depth[:, : (j + 1) * length], doc[:, : (j + 1) * length]
+            )
             res = model(
-                take_rows(row_tok, r),
-                jnp.concatenate(hidden, axis=1),
-                pos,
+                take_rows(row_tok, jnp.clip(a + d, 0, length - 1)),
+                hidden,
+                jnp.where(c >= 0, a + d, -1),
                 None,
                 spec,
                 "auto" if attention == "kernels" else "dense",
+                context=context,
             )
-            pre = res.prenorm[:, j * length :]
-            logits = model.head(pre)
+            context = model.extend_context(context, res.cache)
+            logits = model.head(res.prenorm)
             teacher = logp_t[:, j:]
             teacher = jnp.concatenate([teacher, jnp.zeros_like(logp_t[:, :j])], axis=1)
-            s = sup[:, j * length : (j + 1) * length]
-            o = draft_loss(logits, teacher, s, None, num_depths=1)
+            o = draft_loss(logits, teacher, sup[:, rows], None, num_depths=1)
             loss = loss + (chain_decay**j) * o.loss
-            hidden.append(model.feedback(pre))
+            hidden = model.feedback(res.prenorm)
             hits.append(jnp.argmax(logits, -1) == jnp.argmax(teacher, -1))
             corrects.append(o.correct[0])
             totals.append(o.total[0])

@@ -47,7 +47,7 @@ class VocabMap(nnx.Variable):
 class DrafterOutput(NamedTuple):
     logits: jax.Array  # [B, T, Vd] float32
     prenorm: jax.Array  # [B, T, H] last layer output before the final norm
-    cache: tuple | None  # per layer (k, v) [B, S, Hkv, D]
+    cache: tuple | None  # per layer (k, v) [B, S, Hkv, D]; with `context`: this call's (k, v)
 
 
 class DrafterLayer(nnx.Module):
@@ -86,14 +86,14 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = norm()
         self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache=None, spec=None, backend="dense", embeds=None):
+    def __call__(self, x, positions, kv_cache=None, spec=None, backend="dense", embeds=None, context=None):
         if self.fused:
             hn = self.hidden_norm(x)
             residual = hn if self.norm_before_residual else x
             z = jnp.concatenate([self.input_layernorm(embeds).astype(hn.dtype), hn], axis=-1)
         else:
             residual, z = x, self.input_layernorm(x)
-        attn, kv_cache = self.self_attn(z, positions, kv_cache, spec, backend)
+        attn, kv_cache = self.self_attn(z, positions, kv_cache, spec, backend, context)
         x = residual + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
@@ -152,6 +152,19 @@ class DrafterModel(nnx.Module):
         Callers that need a few rows gather them first (the [T, Vd] product dominates)."""
         return self.lm_head(self.norm(prenorm)).astype(jnp.float32)
 
+    def empty_context(self, batch: int, dtype) -> tuple:
+        """Per layer (k, v) of no rows [B, 0, Hkv, D]: the `context` of a chain's first call."""
+        cfg = self.config
+        z = jnp.zeros((batch, 0, cfg.num_kv_heads, cfg.head_dim), dtype)
+        return tuple((z, z) for _ in self.layers)
+
+    @staticmethod
+    def extend_context(context: tuple, kv: tuple) -> tuple:
+        """`context` with one more call's (k, v) per layer appended (its `cache` output)."""
+        return tuple(
+            (jnp.concatenate([ck, k], 1), jnp.concatenate([cv, v], 1)) for (ck, cv), (k, v) in zip(context, kv)
+        )
+
     @property
     def t2d(self) -> jax.Array:
         return t2d_from_d2t(self.d2t[...], self.config.vocab_size)
@@ -165,6 +178,7 @@ class DrafterModel(nnx.Module):
         cache: tuple | None = None,
         spec: kernels.AttentionSpec | None = None,
         backend: str = "dense",
+        context: tuple | None = None,
     ) -> DrafterOutput:
         """tokens [B, T] int, g [B, T, H], positions [B, T] (-1 = padding slot).
 
@@ -173,17 +187,28 @@ class DrafterModel(nnx.Module):
         `spec` (a `kernels.AttentionSpec`) replaces the causal rule, computed by `kernels.attention`
         with `backend` ("dense" builds the [T, keys] mask; "auto" runs the blockwise / Pallas kernels).
         Sliding layers put their own window into the rule (over a cache: the positional window).
+        `context`: per layer (k, v) [B, S, Hkv, D] of rows run by earlier calls (their `cache`
+        output), attended before this call's rows, with `spec`'s key metadata over S + T rows: a
+        chain of calls computes each row once (training-time test, shared depth-0 rows); the
+        output's `cache` is then this call's (k, v) per layer.
         """
         embeds = self.embed_tokens(tokens)
         x = g.astype(embeds.dtype)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(
-                x, positions, None if cache is None else cache[i], spec, backend, embeds=embeds if i == 0 else None
+                x,
+                positions,
+                None if cache is None else cache[i],
+                spec,
+                backend,
+                embeds=embeds if i == 0 else None,
+                context=None if context is None else context[i],
             )
             new_cache.append(kv)
         logits = self.head(x)
-        return DrafterOutput(logits, x, None if cache is None else tuple(new_cache))
+        keep = cache is not None or context is not None
+        return DrafterOutput(logits, x, tuple(new_cache) if keep else None)
 
 
 def drafter_apply(graphdef, state, tokens, g, positions, cache=None, spec=None) -> DrafterOutput:

@@ -140,11 +140,14 @@ class Attention(nnx.Module):
         kv_cache: tuple[jax.Array, jax.Array] | None = None,
         spec: AttentionSpec | None = None,
         backend: str = "dense",
+        context: tuple[jax.Array, jax.Array] | None = None,
     ):
-        """Returns (output [B, T, out], new (k, v) cache or None).
+        """Returns (output [B, T, out], new (k, v) cache or None; with `context`, this call's (k, v)).
 
         Without a cache the keys are this call's tokens; with one, the new keys are written
         at their positions first and the queries read the whole cache (index = position).
+        `context` (k, v) [B, S, Hkv, D]: keys and values computed by earlier calls (projected and
+        rotated), placed before this call's own; `spec`'s key metadata covers both (S + T rows).
         Attention is `kernels.attention` with `backend`: by default the positional causal rule
         (sliding window included); `spec` replaces it (the drafter's COD rows: the P-EAGLE rule
         from per-row metadata; with backend "auto" no [T, T] mask is ever built), with this
@@ -152,7 +155,13 @@ class Attention(nnx.Module):
         filled blocks (CACHE_ATTENTION).
         """
         q, k, v = self.project(x, positions)
-        if kv_cache is None:
+        if context is not None:
+            if kv_cache is not None or spec is None:
+                raise ValueError("Attention: context keys need a spec and no cache")
+            keys = jnp.concatenate([context[0].astype(k.dtype), k], axis=1)
+            values = jnp.concatenate([context[1].astype(v.dtype), v], axis=1)
+            k_pos = None
+        elif kv_cache is None:
             keys, values, k_pos = k, v, positions
         else:
             keys = write_kv(kv_cache[0], k, positions)
@@ -173,7 +182,7 @@ class Attention(nnx.Module):
             spec = dataclasses.replace(spec, scale=self.scale, softcap=self.softcap, sliding_window=self.window)
             out = kernels.attention(q, keys, values, spec, sinks=sinks, backend=backend)
         b, t = x.shape[:2]
-        new_cache = None if kv_cache is None else (keys, values)
+        new_cache = (k, v) if context is not None else None if kv_cache is None else (keys, values)
         return self.o_proj(out.reshape(b, t, -1)), new_cache
 
 

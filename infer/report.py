@@ -3,7 +3,7 @@
 Stages (each records itself in WORK/stages/NAME.json, written atomically when it finishes; a
 rerun with the same settings reuses every finished stage, and an interrupted training resumes
 from the trainer's last checkpoint):
-  data            `python -m train ... --loop.steps 1` (its step is discarded): prepares the
+  data            `python -m train ... --data.prepare_only true`: prepares the
                   target, loads and checks the data, and with --regenerate replaces the answers
                   by the target's own greedy continuations (cached in WORK/data/regenerated.jsonl)
   train-parallel  `python -m train --model.mode parallel` (P-EAGLE) and
@@ -236,7 +236,7 @@ def stage_data(args, stages: Stages, work: Path) -> dict:
     if record is not None:
         return record
     t0 = time.perf_counter()
-    cmd = trainer_command(args, work / "data", "parallel", 1, args.target)
+    cmd = trainer_command(args, work / "data", "parallel", 1, args.target) + ["--data.prepare_only", "true"]
     summary = run_trainer(cmd, work / "logs" / "data.log")
     regenerated = work / "data" / "regenerated.jsonl"
     return stages.finish(

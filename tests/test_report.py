@@ -35,6 +35,10 @@ def test_smoke_report_writes_every_result(smoke):
     }
     assert all(s["seconds"] > 0 and s["commands"] for s in res["stages"].values())
     assert "--model.mode chain" in res["stages"]["train-chain"]["commands"][0]
+    # the data stage trains nothing (the trainer's data.prepare_only): its data statistics, no head
+    assert "--data.prepare_only true" in res["stages"]["data"]["commands"][0]
+    assert not (root / "work" / "data" / "checkpoints").exists() and not (root / "work" / "data" / "head").exists()
+    assert json.loads((root / "work" / "data" / "summary.json").read_text())["data"]["train_tokens"] > 0
     rows = res["results"]
     assert {(r["head"], r["dataset"], r["k"], r["batch"]) for r in rows} == {
         (h, d, 2, 2) for h in ("P-EAGLE", "EAGLE-3") for d in ("mtbench", "humaneval")

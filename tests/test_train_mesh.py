@@ -3,9 +3,8 @@ tensor) = (8,1,1), (1,8,1), (2,2,2), (1,4,2) train the same 3 steps as one devic
 the trained head within 1e-5), a checkpoint written on (2,2,2) resumes on (8,1,1) and ends
 where the uninterrupted run ends, and a mesh or batch that does not fit is a one-line error.
 
-The 8-device runs of a test share one subprocess (the device count is fixed when JAX starts;
-the libraries are then loaded once). (2,2,2), the resume and the errors run by default; the
-other three meshes are `slow` (about a minute each on a loaded 2-core machine)."""
+All the 8-device runs share one subprocess (the device count is fixed when JAX starts; the
+libraries are then loaded once)."""
 
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import pytest
 import train_runs
 
 ROOT = Path(__file__).resolve().parents[1]
-SLOW_MESHES = [(8, 1, 1), (1, 8, 1), (1, 4, 2)]
+MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2)]
 
 SCRIPT = textwrap.dedent("""
     import contextlib, io, json, shutil, sys
@@ -34,9 +33,6 @@ SCRIPT = textwrap.dedent("""
     for mesh in json.loads(sys.argv[3]):
         assert main(train_runs.flags(target, root / "m{}{}{}".format(*mesh), mesh)) == 0, mesh
     report = {"errors": {}}
-    if sys.argv[4] == "meshes-only":
-        print(json.dumps(report))
-        sys.exit(0)
     for name, extra in {"mesh": ["--mesh.data", "3"], "batch": ["--data.batch_size", "4"]}.items():
         err = io.StringIO()
         with contextlib.redirect_stderr(err):
@@ -60,7 +56,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def eight_devices(tmp_path_factory, meshes, what: str):
+def eight_devices(tmp_path_factory, meshes):
     """(root of the runs, the one-device reference OUT, the script's report)."""
     target, ref = train_runs.reference(str(tmp_path_factory.getbasetemp() / "train-reference"))
     root = tmp_path_factory.mktemp("meshes")
@@ -71,7 +67,7 @@ def eight_devices(tmp_path_factory, meshes, what: str):
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
     }
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(target), str(root), json.dumps(meshes), what],
+        [sys.executable, "-c", SCRIPT, str(target), str(root), json.dumps(meshes)],
         env=env,
         capture_output=True,
         text=True,
@@ -84,7 +80,7 @@ def eight_devices(tmp_path_factory, meshes, what: str):
 
 @pytest.fixture(scope="module")
 def mesh_runs(tmp_path_factory):
-    return eight_devices(tmp_path_factory, [(2, 2, 2)], "all")
+    return eight_devices(tmp_path_factory, MESHES)
 
 
 def check_mesh(root, ref, mesh) -> None:
@@ -94,16 +90,10 @@ def check_mesh(root, ref, mesh) -> None:
     train_runs.assert_same_run(out, ref)
 
 
-def test_mesh_2x2x2_equals_one_device(mesh_runs):
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: "x".join(map(str, m)))
+def test_mesh_equals_one_device(mesh_runs, mesh):
     root, ref, _ = mesh_runs
-    check_mesh(root, ref, (2, 2, 2))
-
-
-@pytest.mark.slow
-def test_meshes_8x1x1_1x8x1_1x4x2_equal_one_device(tmp_path_factory):
-    root, ref, _ = eight_devices(tmp_path_factory, SLOW_MESHES, "meshes-only")
-    for mesh in SLOW_MESHES:
-        check_mesh(root, ref, mesh)
+    check_mesh(root, ref, mesh)
 
 
 def test_checkpoint_from_another_mesh_resumes_identically(mesh_runs):

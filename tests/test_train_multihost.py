@@ -1,8 +1,7 @@
 """The trainer over two processes on localhost through jax.distributed (CPU collectives: gloo),
 4 simulated CPU devices each, one (2,2,2) mesh over the 8: it trains the same 3 steps as one
 device in one process (losses and the trained head within 1e-5), process 0 alone writes and
-evaluates, and (`slow`) a process killed mid-run makes the other exit with an error instead of
-hanging."""
+evaluates, and a process killed mid-run makes the other exit with an error instead of hanging."""
 
 from __future__ import annotations
 
@@ -93,7 +92,6 @@ def test_two_processes_train_like_one(tmp_path_factory, evaluate):
     assert config["dist"]["num_processes"] == 2 and config["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
 
 
-@pytest.mark.slow  # ~100 s on a loaded 2-core machine
 def test_lost_process_stops_the_other_with_an_error(tmp_path_factory):
     target, _ = train_runs.reference(str(tmp_path_factory.getbasetemp() / "train-reference"))
     out = tmp_path_factory.mktemp("multihost-kill") / "out"

@@ -34,6 +34,9 @@ def main(argv=None) -> int:
         return 130
     if summary is None:  # a process other than 0 of a multi-host run: process 0 reports
         return 0
+    if summary.get("prepared_only"):
+        print(f"data prepared: {summary['out']}/summary.json (data.prepare_only: no head trained)")
+        return 0
     print(f"head: {summary['head_dir']}")
     print(f"vllm: {summary['vllm_dir']}")
     acc = ", ".join(f"{a:.2f}" for a in summary["per_depth_accuracy"])

@@ -103,6 +103,8 @@ class DataConfig:
     """Replace the assistant answers by the target's own greedy continuation (cached under OUT, resumable)."""
     regenerate_tokens: int = 128
     """New tokens per regenerated answer."""
+    prepare_only: bool = False
+    """Load and check the data (and regenerate it), write OUT/summary.json with its statistics and stop: no head is trained."""
     seed: int = 0
     """Seed of the data order and of COD sampling (per step, so a resumed run draws the same rows)."""
 

@@ -236,6 +236,14 @@ def run(cfg: C.TrainConfig) -> dict | None:
     log(f"target {tpath} loaded")
     ds = load_data(cfg, tok, out, target)
     log(f"data: {json.dumps(ds.stats)}")
+    if cfg.data.prepare_only:
+        if main:
+            wall = time.perf_counter() - t0
+            _write_json(
+                out / "summary.json",
+                {"prepared_only": True, "target": str(tpath), "data": ds.stats, "wall_seconds": wall},
+            )
+        return {"prepared_only": True, "out": str(out)} if main else None
     mc = cfg.model
     v = target.config.vocab_size
     if mc.draft_vocab > v:

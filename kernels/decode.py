@@ -12,6 +12,14 @@ position p >= 0 when j <= p (and p - j < window); slots past p hold stale values
 drafts) and are never read as visible. Semantics otherwise as `kernels.reference`: GQA by
 consecutive groups, softcap, per-head sinks in the denominator, fully masked rows give 0.
 Inference only (no custom VJP: `fori_loop` with traced bounds is not reverse-differentiable).
+
+Backends (``backend="auto"`` picks by platform, as `kernels.api.resolve_backend`): "xla", the
+path here (the batch's widest block range, every row reads it; the default on CPU); "gpu",
+`kernels.decode_gpu` (Pallas Triton, flash-decoding: each batch row reads only its own blocks,
+the range split over several programs); "tpu", `kernels.decode_tpu` (Pallas Mosaic, per-row
+block bounds scalar-prefetched). Slots outside every read block are never touched; slots in a
+read block that no query sees are multiplied by probability 0, so caches must hold finite
+values (zeros and stale drafts do).
 """
 
 from __future__ import annotations
@@ -20,9 +28,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["attention", "DEFAULT_BLOCK"]
+from .api import resolve_backend
+
+__all__ = ["attention", "filled_blocks", "DEFAULT_BLOCK", "DEFAULT_BLOCKS", "BACKENDS"]
 
 DEFAULT_BLOCK = 256
+# KV block per backend (gpu: a power of two >= 16; tpu: a multiple of 128; xla: any)
+DEFAULT_BLOCKS = {"xla": DEFAULT_BLOCK, "gpu": 64, "tpu": 512}
+BACKENDS = ("auto", "xla", "gpu", "tpu")
 
 
 def _block_size(s: int, block: int) -> int:
@@ -39,10 +52,36 @@ def attention(
     softcap: float | None = None,
     sinks=None,
     window: int | None = None,
-    block: int = DEFAULT_BLOCK,
+    block: int | None = None,
+    backend: str = "auto",
+    interpret=False,
 ):
     """q [B, T, Hq, D], k/v cache [B, S, Hkv, D], q_pos [B, T] int (-1 = padding row) ->
-    out [B, T, Hq, D] in q.dtype."""
+    out [B, T, Hq, D] in q.dtype.
+
+    ``backend``: "auto" (Pallas GPU on GPU, Pallas TPU on TPU, "xla" elsewhere), "xla", "gpu"
+    or "tpu". ``block``: KV block (default `DEFAULT_BLOCKS` of the backend; gpu: a power of
+    two >= 16, tpu: a multiple of 128). ``interpret``: run the Pallas kernels interpreted on
+    CPU (gpu: True; tpu: True for TPU interpret mode, "generic" for the plain Pallas
+    interpreter); ignored by "xla".
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown decode attention backend {backend!r}; expected one of {BACKENDS}")
+    backend = resolve_backend(backend)
+    block = DEFAULT_BLOCKS[backend] if block is None else int(block)
+    kw = dict(scale=scale, softcap=softcap, sinks=sinks, window=window, block=block)
+    if backend == "gpu":
+        from . import decode_gpu
+
+        return decode_gpu.attention(q, k_cache, v_cache, q_pos, interpret=bool(interpret), **kw)
+    if backend == "tpu":
+        from . import decode_tpu
+
+        return decode_tpu.attention(q, k_cache, v_cache, q_pos, interpret=interpret, **kw)
+    return _attention_xla(q, k_cache, v_cache, q_pos, **kw)
+
+
+def _attention_xla(q, k_cache, v_cache, q_pos, *, scale, softcap, sinks, window, block):
     b, t, hq, d = q.shape
     s, hkv = k_cache.shape[1], k_cache.shape[2]
     if hq % hkv:

@@ -1,16 +1,25 @@
 """GPU check for a lent device (H200 / any CUDA GPU): correctness + timings, < 8 minutes.
 
     python -m kernels.gpu_check [--json gpu_check.json] [--n 4096 8192 16384]
+    python -m kernels.gpu_check --parts decode      # only the decode kernel (tests + timings)
     python -m kernels.gpu_check --smoke      # CPU dry run of this script (interpret mode)
 
-1. Runs the ``gpu``-marked tests of tests/kernels/test_kernels_gpu.py natively (Pallas
-   Triton kernels vs the dense reference at bf16 tolerances, determinism).
+1. Runs the ``gpu``-marked tests of tests/kernels/test_kernels_gpu.py and
+   tests/kernels/test_kernels_decode_pallas.py natively (Pallas Triton kernels vs the dense
+   reference / the XLA decode path at bf16 tolerances, determinism, per-row block reads).
 2. Times forward+backward of P-EAGLE attention on K=8 COD layouts (N positions ->
    ~3.4 N rows) for the Pallas GPU kernel against ``jax.nn.dot_product_attention`` with a
    dense [B, 1, T, T] boolean mask (implementation "xla", and "cudnn" when it accepts the
    mask), bf16, Hq=8, Hkv=2, D=128. Dense configurations predicted not to fit in device
    memory are skipped; failures (OOM, unsupported) are recorded, not fatal.
-3. Prints a table and writes JSON (atomically).
+3. Decode attention over a KV cache (`kernels.decode`) at Gemma-3-270M's attention shapes
+   (Hq 4, Hkv 1, D 256, bf16), a 32k cache filled to 256 / 4k / 16k (and "ragged": batch
+   rows filled to different lengths), batch 1 and 4, T = 1 and 18 query rows (decoding, a
+   K=8 verification), no window and Gemma's 512 window: the Pallas GPU kernel
+   (`kernels.decode_gpu`) checked against the XLA decode path (max |diff| / max |ref|),
+   then ms per call of both and of the dense path over the whole cache (`kernels.dense`,
+   the models' "dense" reference); plus the kernel's KV splits at batch 1, 16k filled.
+4. Prints tables and writes JSON (atomically).
 """
 
 from __future__ import annotations
@@ -26,9 +35,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_tests(smoke: bool):
+def run_tests(smoke: bool, parts=("attention", "decode")):
     if smoke:
         return {"skipped": "smoke run (no GPU): the gpu-marked tests need a GPU"}
+    files = {"attention": "test_kernels_gpu.py", "decode": "test_kernels_decode_pallas.py"}
     t0 = time.time()
     cmd = [
         sys.executable,
@@ -39,7 +49,7 @@ def run_tests(smoke: bool):
         "gpu",
         "-p",
         "no:cacheprovider",
-        os.path.join(ROOT, "tests", "kernels", "test_kernels_gpu.py"),
+        *(os.path.join(ROOT, "tests", "kernels", files[p]) for p in parts),
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=240)
     tail = (r.stdout + r.stderr).strip().splitlines()[-15:]
@@ -69,6 +79,104 @@ def time_fn(f, args, iters):
         jax.block_until_ready(f(*args))
         ts.append(time.perf_counter() - t0)
     return compile_s, statistics.median(ts)
+
+
+def time_calls(f, args, iters):
+    """(first call incl. compile s, mean s per call over `iters` calls issued back to back)."""
+    import jax
+
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    compile_s = time.perf_counter() - t0
+    jax.block_until_ready(f(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return compile_s, (time.perf_counter() - t0) / iters
+
+
+def _decode_positions(b, t, fill, fills):
+    """[B, T] positions of the last T tokens of each row: filled to `fill`, or for "ragged" to
+    fills[i % len(fills)] in row i."""
+    import numpy as np
+
+    per_row = [fills[i % len(fills)] if fill == "ragged" else fill for i in range(b)]
+    return np.stack([np.arange(f - t, f) for f in per_row]).astype(np.int32)
+
+
+def run_decode_timings(
+    cache: int, fills, batches, ts, windows, smoke: bool, iters: int, hq: int, hkv: int, d: int, splits
+):
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import decode, decode_gpu, dense
+    from kernels.testing import rel_err
+
+    dtype = jnp.float32 if smoke else jnp.bfloat16
+    scale = d**-0.5
+    interpret = smoke
+    rows = []
+
+    def dense_fn(q, k, v, pos, window):
+        kpos = jnp.arange(k.shape[1])[None, None, :]
+        mask = (kpos <= pos[:, :, None]) & (pos[:, :, None] >= 0)
+        if window is not None:
+            mask &= pos[:, :, None] - kpos < window
+        return dense.attention(q, k, v, mask, scale=scale)[0]
+
+    for b in batches:
+        ks = jax.random.split(jax.random.PRNGKey(b), 3)
+        k = jax.random.normal(ks[0], (b, cache, hkv, d), dtype)
+        v = jax.random.normal(ks[1], (b, cache, hkv, d), dtype)
+        for t in ts:
+            q = jax.random.normal(ks[2], (b, t, hq, d), dtype)
+            for window in windows:
+                impls = {  # xla_decode first: the reference of the pallas rows
+                    "xla_decode": jax.jit(
+                        functools.partial(decode.attention, scale=scale, window=window, backend="xla")
+                    ),
+                    "pallas_gpu": jax.jit(
+                        functools.partial(
+                            decode.attention, scale=scale, window=window, backend="gpu", interpret=interpret
+                        )
+                    ),
+                    "dense": jax.jit(functools.partial(dense_fn, window=window)),
+                }
+                if b == min(batches) and t == min(ts) and window is None:
+                    for n in splits:
+                        impls[f"pallas_gpu_splits{n}"] = jax.jit(
+                            functools.partial(decode_gpu.attention, scale=scale, num_splits=n, interpret=interpret)
+                        )
+                for fill in [*fills, "ragged"] if b > 1 else fills:
+                    args = (q, k, v, jnp.asarray(_decode_positions(b, t, fill, fills)))
+                    want = None
+                    for name, f in impls.items():
+                        if name.startswith("pallas_gpu_splits") and fill != max(fills):
+                            continue
+                        row = dict(
+                            impl=name, cache=cache, fill=fill, b=b, t=t, window=window, hq=hq, hkv=hkv, d=d,
+                            dtype=str(jnp.dtype(dtype)),
+                        )  # fmt: skip
+                        try:
+                            comp, mean = time_calls(f, args, iters)
+                            row.update(status="ok", compile_s=round(comp, 2), ms=round(1e3 * mean, 4))
+                            if name == "xla_decode":
+                                want = f(*args)
+                            elif name.startswith("pallas_gpu"):
+                                if want is None:
+                                    raise RuntimeError("no xla_decode output to compare with")
+                                row["rel_err_vs_xla"] = err = rel_err(f(*args), want)
+                                if not err <= 2e-2:
+                                    row["status"] = f"WRONG: rel err vs xla_decode {err:.3g} > 2e-2"
+                        except Exception as e:  # noqa: BLE001 - OOM / unsupported are results too
+                            row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+    return rows
 
 
 def run_timings(ns, smoke: bool, iters: int, hq: int, hkv: int, d: int):
@@ -132,11 +240,19 @@ def run_timings(ns, smoke: bool, iters: int, hq: int, hkv: int, d: int):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description="P-EAGLE kernels: GPU tests + timings")
+    p.add_argument("--parts", nargs="+", choices=["attention", "decode"], default=["attention", "decode"])
     p.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--hq", type=int, default=8)
     p.add_argument("--hkv", type=int, default=2)
     p.add_argument("--d", type=int, default=128)
+    p.add_argument("--decode-cache", type=int, default=32768)
+    p.add_argument("--decode-fills", type=int, nargs="+", default=[256, 4096, 16384])
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--decode-t", type=int, nargs="+", default=[1, 18], help="query rows per call (1: decoding)")
+    p.add_argument("--decode-windows", type=int, nargs="+", default=[0, 512], help="sliding windows (0: none)")
+    p.add_argument("--decode-splits", type=int, nargs="+", default=[1, 8, 32, 64], help="num_splits swept at batch 1")
+    p.add_argument("--decode-iters", type=int, default=20)
     p.add_argument("--json", default="gpu_check.json")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: tiny sizes, Pallas in interpret mode, no tests")
     args = p.parse_args(argv)
@@ -145,33 +261,67 @@ def main(argv=None):
 
     if args.smoke:
         args.n, args.iters, args.hq, args.hkv, args.d = [48, 96], 1, 2, 1, 32
+        args.decode_cache, args.decode_fills, args.decode_batches = 200, [40, 150], [1, 2]
+        args.decode_t, args.decode_windows, args.decode_splits, args.decode_iters = [1, 3], [0, 64], [1, 4], 1
     elif jax.default_backend() != "gpu":
         print("gpu_check: no GPU found (use --smoke for a CPU dry run)", file=sys.stderr)
         return 2
     t0 = time.time()
-    tests = run_tests(args.smoke)
-    timings = run_timings(args.n, args.smoke, args.iters, args.hq, args.hkv, args.d)
-    print()
-    print(f"device: {jax.devices()[0].device_kind}; K=8 COD rows; fwd+bwd median of {args.iters}")
-    print("| N | rows | impl | fwd+bwd ms | compile s | status |")
-    print("|---|---|---|---|---|---|")
-    for r in timings:
-        print(
-            f"| {r['n']} | {r['rows']} | {r['impl']} | {r.get('fwd_bwd_ms', '-')} | "
-            f"{r.get('compile_s', '-')} | {r['status']} |"
+    tests = run_tests(args.smoke, args.parts)
+    timings, decode = [], []
+    if "attention" in args.parts:
+        timings = run_timings(args.n, args.smoke, args.iters, args.hq, args.hkv, args.d)
+    if "decode" in args.parts:
+        windows = [w or None for w in args.decode_windows]
+        decode = run_decode_timings(
+            args.decode_cache,
+            args.decode_fills,
+            args.decode_batches,
+            args.decode_t,
+            windows,
+            args.smoke,
+            args.decode_iters,
+            hq=4,
+            hkv=1,
+            d=256 if not args.smoke else 32,
+            splits=args.decode_splits,
         )
+    device = jax.devices()[0].device_kind
+    if timings:
+        print()
+        print(f"device: {device}; K=8 COD rows; fwd+bwd median of {args.iters}")
+        print("| N | rows | impl | fwd+bwd ms | compile s | status |")
+        print("|---|---|---|---|---|---|")
+        for r in timings:
+            print(
+                f"| {r['n']} | {r['rows']} | {r['impl']} | {r.get('fwd_bwd_ms', '-')} | "
+                f"{r.get('compile_s', '-')} | {r['status']} |"
+            )
+    if decode:
+        print()
+        print(f"device: {device}; decode attention, cache {args.decode_cache}, Hq 4 Hkv 1; mean of {args.decode_iters}")
+        print("| B | T | window | fill | impl | ms | rel err vs xla | compile s | status |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in decode:
+            err = r.get("rel_err_vs_xla")
+            print(
+                f"| {r['b']} | {r['t']} | {r['window'] or '-'} | {r['fill']} | {r['impl']} | {r.get('ms', '-')} | "
+                f"{'-' if err is None else f'{err:.2g}'} | {r.get('compile_s', '-')} | {r['status']} |"
+            )
     out = dict(
-        device=jax.devices()[0].device_kind,
+        device=device,
         jax=jax.__version__,
         tests=tests,
         timings=timings,
+        decode=decode,
         seconds=round(time.time() - t0, 1),
     )
     with open(args.json + ".tmp", "w") as f:
         json.dump(out, f, indent=1)
     os.replace(args.json + ".tmp", args.json)
     print(f"wrote {args.json} ({out['seconds']} s)")
-    ok = args.smoke or tests.get("returncode") == 0
+    kernels_ok = all(r["status"] == "ok" for r in decode if r["impl"].startswith("pallas"))
+    ok = args.smoke or (tests.get("returncode") == 0 and kernels_ok)
     return 0 if ok else 1
 
 

@@ -43,8 +43,9 @@ def test_lossless_greedy_matches_plain_and_transformers(models, kind):
     prompts = _prompts(4, seed=1)
     plain = SpeculativeDecoder(target, mode="none").generate(prompts, max_new_tokens=NEW)
     assert plain.tokens == [_hf_greedy(hf, p, NEW) for p in prompts]
-    # every K on one family; the others (same drafter code, other target layers) at one K per mode
-    ks = {"parallel": (1, 3, 7), "chain": (1, 3, 7)} if kind.startswith("llama") else {"parallel": (7,), "chain": (3,)}
+    # random drafters (K 1 and 7 of both modes with an agreeing drafter below): a few K on one family,
+    # the others (same drafter code, other target layers) at one K per mode
+    ks = {"parallel": (1, 3), "chain": (7,)} if kind.startswith("llama") else {"parallel": (7,), "chain": (3,)}
     for mode in ("parallel", "chain"):
         drafter = pj.new_drafter(target, num_layers=1, mode=mode, seed=3)
         for k in ks[mode]:

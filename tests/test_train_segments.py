@@ -100,11 +100,13 @@ def case(request):
             seg_rows = segment_rows(batch["anchor"], batch["depth"], batch["doc"], L, s, mode, k)
         return seg(params, {**batch, "seg_rows": seg_rows})
 
-    return dict(batch=batch, mode=mode, k=k, flat=(float(loss), metrics, grads), run=run)
+    return dict(batch=batch, mode=mode, k=k, per_depth=per_depth, flat=(float(loss), metrics, grads), run=run)
 
 
 @pytest.mark.parametrize("segments", [1, 2, 4, 7])
 def test_segments_equal_the_flat_pass(case, segments):
+    if case["per_depth"] and segments != 4:  # each S compiles the whole step again (~20 s)
+        pytest.skip("per-depth normalisation: checked at S = 4 (only the loss weights differ)")
     loss0, m0, g0 = case["flat"]
     loss, m, grads = case["run"](segments)
     assert abs(float(loss) - loss0) <= TOL * abs(loss0), (float(loss), loss0)
@@ -171,7 +173,7 @@ def tiny_target(tmp_path_factory):
     return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
 
 
-def test_cli_segments_4_logs_the_losses_of_segments_1(tmp_path, tiny_target):
+def test_cli_segments_4_logs_the_losses_of_segments_1(tmp_path, tiny_target, capsys):
     base = [sys.executable, "-m", "train", "--preset", "tiny", "--model.target", str(tiny_target)]
     base += ["--loop.steps", "5", "--loop.checkpoint_every", "5", "--loop.progress", "False"]
     base += ["--eval.enabled", "False", "--data.heldout", "0"]
@@ -197,7 +199,7 @@ def test_cli_segments_4_logs_the_losses_of_segments_1(tmp_path, tiny_target):
         assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a, b)
         assert a["acc"] == b["acc"]
-    bad = subprocess.run(
-        [*base, "--out", str(tmp_path / "bad"), "--loop.segments", "0"], capture_output=True, text=True
-    )
-    assert bad.returncode != 0 and "loop.segments must be an integer >= 1 or auto" in bad.stderr
+    from train.__main__ import main  # in this process: a third interpreter would only start JAX again
+
+    assert main([*base[3:], "--out", str(tmp_path / "bad"), "--loop.segments", "0"]) != 0
+    assert "loop.segments must be an integer >= 1 or auto" in capsys.readouterr().err

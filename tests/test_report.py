@@ -122,3 +122,32 @@ def test_goals_compare_the_heads_side_by_side():
     rows[1]["speedup"] = 1.05  # now P-EAGLE's best is K=3 at 1.1x, 1.1 / 1.0 < 1.2
     measured = goals(rows, [3, 7])[0]
     assert not measured["best_k_goal_met"] and not measured["speedup_goal_met"]
+
+
+def test_the_committed_report_is_a_full_run_and_its_markdown_is_generated():
+    """docs/report/results.json holds the full default run (every head, set, K and batch with the
+    issue's keys, every greedy output equal to plain decoding) and docs/report.md is exactly what
+    `infer.report.markdown` writes from it (no hand edits)."""
+    from pathlib import Path
+
+    from infer.report import markdown
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    res = json.loads((docs / "report" / "results.json").read_text())
+    s = res["settings"]
+    assert not s["smoke"] and s["ks"] == [1, 3, 5, 7] and s["batches"] == [1, 4]
+    want = {
+        (h, d, k, b)
+        for h in ("P-EAGLE", "EAGLE-3")
+        for d in ("mtbench", "humaneval")
+        for k in s["ks"]
+        for b in s["batches"]
+    }
+    assert {(r["head"], r["dataset"], r["k"], r["batch"]) for r in res["results"]} == want
+    for r in res["results"]:
+        assert r["acceptance_length"] >= 1.0 and len(r["per_position_acceptance"]) == r["k"]
+        assert r["tokens_per_second"] > 0 and r["baseline_tokens_per_second"] > 0 and r["prompts"] == 8
+        assert r["greedy_mismatches"] == 0
+    assert res["greedy"]["equal"] == res["greedy"]["total"] == 256
+    assert res["training"]["P-EAGLE"]["train_tokens"] == res["training"]["EAGLE-3"]["train_tokens"]
+    assert (docs / "report.md").read_text() == markdown(res, "report")

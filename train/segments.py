@@ -1,25 +1,24 @@
 """Exact sequence partitioning (reference/peagle.md section 5): one step over S segments.
 
 Segment of a row: seg = ((anchor if depth == 0 else anchor + 1) * S) // L, clamped to
-[0, S - 1], L = the row-space length of the batch. Segment s runs forward + backward over
+[0, S - 1], L = the row-space length of the batch. The depth-0 rows (rows [0, L) of a batch are
+the depth-0 rows of anchors 0..L-1) run once per step, before the segments: their pre-norm states
+and per-layer keys and values are the context every segment reads. Segment s then runs forward +
+backward over its own deeper rows (depth >= 1, packed on the host into R slots per segment:
+`segment_rows`, the batch key "seg_rows" [B, S, R]), attending to the context's K/V (the drafter's
+`context` argument), and takes its loss over its own rows only: the depth-0 rows with seg == s (a
+contiguous anchor range, one static-size slice of the context's states) plus its deeper rows,
+divided by the WHOLE batch's counts. The segment losses therefore sum to the flat loss. A
+`lax.scan` accumulates each segment's gradient with respect to the parameters and to the
+context's states and K/V; one VJP of the depth-0 pass turns the summed context cotangents into
+its parameter gradient, so the total is the flat gradient. One segment's activations and its
+[rows / S, Vd] logits and teacher are alive at a time (the teacher is computed per row from the
+target's final-norm states, never as the flat pass's [L, Vd] table), plus the depth-0 pass's.
 
-- the context: the depth-0 rows (rows [0, L) of a batch are the depth-0 rows of anchors
-  0..L-1), those past the segment's last owned anchor made padding (doc -1: they are never
-  attended to by its rows, and padding blocks cost no attention);
-- its own deeper rows (depth >= 1), packed on the host into R slots per segment
-  (`segment_rows`, the batch key "seg_rows" [B, S, R]);
-
-and takes its loss over its own rows only: the depth-0 rows with seg == s (a contiguous anchor
-range, one static-size slice) plus its deeper rows, divided by the WHOLE batch's counts. The
-segment losses therefore sum to the flat loss and their gradients to the flat gradient. A
-`lax.scan` accumulates the gradients inside the jitted step, so one segment's activations and
-its [rows / S, Vd] logits and teacher are alive at a time (the teacher is computed per row from
-the target's final-norm states, never as the flat pass's [L, Vd] table). The price is compute:
-every segment recomputes its context rows (the layers, not the [rows, Vd] head).
-
-Chain mode (EAGLE-3 training-time test) uses the same segments: the context is step 0, the
+Chain mode (EAGLE-3 training-time test) uses the same segments: the depth-0 pass is step 0, the
 segment's rows of steps 1..k-1 are packed step by step into W slots each (the same anchors at
-every step), so step j's hidden input is the previous step's pre-norm state of the same slot.
+every step), so step j's hidden input is the previous step's pre-norm state of the same slot, and
+its keys are the context's plus the earlier steps' of the segment.
 """
 
 from __future__ import annotations

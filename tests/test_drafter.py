@@ -213,6 +213,43 @@ def test_cache_equals_no_cache():
     assert float(jnp.abs(out2.cache[0][0][1, 7:]).max()) == 0.0
 
 
+def test_context_calls_equal_one_call():
+    """Rows run in two calls, the second over the first's keys and values (`context`: the EAGLE-3
+    training-time test, the depth-0 rows shared by segments), give the one-call outputs under the
+    P-EAGLE rule; the second call without its context does not."""
+    import kernels
+
+    d = perturbed(BASE)
+    m = d.model
+    tokens, aux, _ = inputs(BASE, t=12)
+    g = d.fuse(aux)
+    anchor = jnp.asarray([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]])  # 6 depth-0 rows, then depth 1 of each anchor
+    depth = jnp.asarray([[0] * 6 + [1] * 6])
+    doc = jnp.asarray([[0] * 5 + [-1] + [0] * 5 + [-1]])  # a padding row in each call
+    pos = jnp.where(doc >= 0, anchor + depth, -1)
+    full = m(tokens, g, pos, None, kernels.AttentionSpec.peagle(anchor, depth, doc))
+    first = m(
+        tokens[:, :6],
+        g[:, :6],
+        pos[:, :6],
+        None,
+        kernels.AttentionSpec.peagle(anchor[:, :6], depth[:, :6], doc[:, :6]),
+        context=m.empty_context(1, g.dtype),
+    )
+    spec = kernels.AttentionSpec.make(anchor[:, 6:], depth[:, 6:], doc[:, 6:], anchor, depth, doc)
+    second = m(tokens[:, 6:], g[:, 6:], pos[:, 6:], None, spec, context=first.cache)
+    real = np.asarray(doc[0] >= 0)
+    for part, rows in ((first, slice(0, 6)), (second, slice(6, 12))):
+        assert part.cache[0][0].shape == (1, 6, BASE.num_kv_heads, BASE.head_dim)  # this call's keys
+        np.testing.assert_allclose(part.logits[0][real[rows]], full.logits[0, rows][real[rows]], atol=1e-5)
+    alone = m(
+        tokens[:, 6:], g[:, 6:], pos[:, 6:], None, kernels.AttentionSpec.peagle(anchor[:, 6:], depth[:, 6:], doc[:, 6:])
+    )
+    assert float(jnp.abs(alone.logits - second.logits).max()) > 1e-3
+    with pytest.raises(ValueError, match="context"):
+        m(tokens[:, 6:], g[:, 6:], pos[:, 6:], kv.init(BASE, 1, 16), spec, context=first.cache)
+
+
 def test_chain_mode_feeds_prenorm_back():
     cfg = dataclasses.replace(BASE, mode="chain", mask_token_id=None)
     d = perturbed(cfg)

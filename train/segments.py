@@ -23,7 +23,6 @@ its keys are the context's plus the earlier steps' of the segment.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -169,10 +168,12 @@ def segmented_loss(
         owned0 = (own0 >= bounds[s]) & (own0 < bounds[s + 1])
         return a, d, c, valid, own0, owned0
 
-    def spec_over_context(a, d, c):
-        """The P-EAGLE rule for rows (a, d, c) over the depth-0 rows, then themselves."""
+    def spec_over_context(q, rows):
+        """The P-EAGLE rule for query rows q = (anchor, depth, doc) over the depth-0 rows, then
+        `rows` (the segment's rows run so far, q's last)."""
         cat = functools.partial(jnp.concatenate, axis=1)
-        return kernels.AttentionSpec.make(a, d, c, cat([ctx_a, a]), cat([ctx_d, d]), cat([ctx_c, c]))
+        kv = (cat([ctx, x]) for ctx, x in zip((ctx_a, ctx_d, ctx_c), rows))
+        return kernels.AttentionSpec.make(*q, *kv)
 
     def row_loss(model, pre, la, ld, lc, owned):
         """KL and hits of loss rows from their pre-norm states (teacher per row, at ref)."""
@@ -190,7 +191,7 @@ def segmented_loss(
         g = jnp.broadcast_to(model.mask_g(), (bsz, r, model.config.hidden_size))
         tok = jnp.full((bsz, r), model.config.mask_token_id, row_tok.dtype)
         positions = jnp.where(c >= 0, a + d, -1)
-        res = model(tok, g, positions, None, spec_over_context(a, d, c), backend, context=kv0)
+        res = model(tok, g, positions, None, spec_over_context((a, d, c), (a, d, c)), backend, context=kv0)
         owned = jnp.concatenate([jnp.broadcast_to(owned0, (bsz, c0)), valid], axis=1)
         la = jnp.concatenate([jnp.broadcast_to(own0, (bsz, c0)), a], axis=1)
         ld = jnp.concatenate([jnp.zeros((bsz, c0), d.dtype), d], axis=1)
@@ -219,8 +220,7 @@ def segmented_loss(
         for j in range(1, k):  # step j runs its own rows over the keys the earlier steps left
             lo, hi = (j - 1) * width, j * width
             aj, dj, cj = a[:, lo:hi], d[:, lo:hi], c[:, lo:hi]
-            spec = spec_over_context(a[:, :hi], d[:, :hi], c[:, :hi])
-            spec = dataclasses.replace(spec, q_anchor=aj, q_depth=dj, q_doc=cj)
+            spec = spec_over_context((aj, dj, cj), (a[:, :hi], d[:, :hi], c[:, :hi]))
             res = model(tok[:, lo:hi], hidden, jnp.where(cj >= 0, aj + dj, -1), None, spec, backend, context=context)
             context = model.extend_context(context, res.cache)
             own = valid[:, lo:hi]

@@ -1,0 +1,100 @@
+"""The EAGLE-3 (chain) objective's step time: this tree's `train.step.loss_and_metrics` against the
+same function at an older commit (loaded from `git show REV:train/step.py`), alternating, one run.
+
+Until 813967c the training-time test re-ran every earlier step's rows at each step (k(k+1)/2 row
+passes); since then step j runs its own L rows over the earlier steps' keys and values (k passes).
+Both are timed as one jitted value-and-grad on the same random features and rows (Gemma-3-270M's
+width: one layer, H 640, 4 x 256 heads, 1 KV head, MLP 2048; Vd 8192, K 8), and their losses and
+gradients are compared.
+
+    python bench/chain_objective_speed.py [--old 4e7007d] [--length 256] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from peagle_jax.config import DrafterConfig  # noqa: E402
+from peagle_jax.drafter import Drafter  # noqa: E402
+from train.cod import chain_rows  # noqa: E402
+from train.step import loss_and_metrics, split_params  # noqa: E402
+
+
+def old_loss(rev: str):
+    """`loss_and_metrics` of train/step.py at commit `rev` (imported beside this tree's modules)."""
+    src = subprocess.run(["git", "show", f"{rev}:train/step.py"], cwd=ROOT, capture_output=True, text=True, check=True)
+    path = Path(tempfile.mkdtemp()) / "old_step.py"
+    path.write_text(src.stdout)
+    spec = importlib.util.spec_from_file_location("old_step", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["old_step"] = module
+    spec.loader.exec_module(module)
+    return module.loss_and_metrics
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", default="4e7007d", help="the commit whose chain objective is compared")
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", default="bench/results/chain_objective_speed.json")
+    args = ap.parse_args()
+    k, h, v, vd, length = 8, 640, 32000, 8192, args.length
+    cfg = DrafterConfig(
+        hidden_size=h, target_hidden_size=h, num_layers=1, num_heads=4, num_kv_heads=1, head_dim=256,
+        intermediate_size=2048, vocab_size=v, draft_vocab_size=vd, mode="chain", mask_token_id=None, k_train=k,
+    )  # fmt: skip
+    parts, params, frozen = split_params(Drafter.random(cfg, seed=0), False, False)
+    rng = np.random.default_rng(0)
+    a, d, c = (np.asarray(x)[None].astype(np.int32) for x in chain_rows(np.zeros(length, np.int32), k))
+    batch = dict(
+        tokens=rng.integers(1, v, (1, length)).astype(np.int32),
+        sup=np.ones((1, length), bool),
+        anchor=a,
+        depth=d,
+        doc=c,
+    )
+    aux = jnp.asarray(rng.normal(size=(1, length, 3 * h)), jnp.float32)
+    y = jnp.asarray(rng.normal(size=(1, length, h)), jnp.float32)
+    head_w = jnp.asarray(rng.normal(size=(vd, h)), jnp.float32)
+    kw = dict(mode="chain", k=k, per_depth=False, chain_decay=0.8, softcap=None, attention="auto")
+    fns = {
+        name: jax.jit(jax.value_and_grad(lambda p, f=f: f(parts, p, frozen, aux, y, head_w, batch, **kw)[0]))
+        for name, f in ((f"old ({args.old})", old_loss(args.old)), ("new", loss_and_metrics))
+    }
+    outs = {name: jax.block_until_ready(f(params)) for name, f in fns.items()}  # compile + first call
+    (l0, g0), (l1, g1) = outs.values()
+    rel = max(float(jnp.max(jnp.abs(g1[n] - g0[n])) / jnp.max(jnp.abs(g0[n]))) for n in g0)
+    times = {name: [] for name in fns}
+    for _ in range(args.repeats):
+        for name, f in fns.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(params))
+            times[name].append(time.perf_counter() - t0)
+    med = {name: float(np.median(t)) for name, t in times.items()}
+    old, new = med.values()
+    print(
+        f"L {length}, K {k}: " + ", ".join(f"{n} {t:.2f} s" for n, t in med.items()) + f"; old / new {old / new:.2f}x"
+    )
+    print(f"loss old {float(l0):.6f} new {float(l1):.6f}; gradients max relative difference {rel:.2e}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    result = dict(length=length, k=k, seconds=med, ratio=old / new, loss=[float(l0), float(l1)], grad_rel=rel)
+    Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.loss import draft_loss, restrict_to_draft, teacher_logits
+from train.loss import draft_loss, restrict_to_draft, teacher_logits, top1_hit
 
 
 def test_teacher_equals_the_full_softmax_restricted_and_renormalised():
@@ -40,3 +40,22 @@ def test_global_normalisation_and_empty_batch():
     assert int(out.total.sum()) == int(mask.sum())
     none = draft_loss(logits, teacher, jnp.zeros((2, 6), bool), depth, num_depths=3)
     assert float(none.loss) == 0.0
+
+
+def test_top1_hit_is_argmax_agreement_per_depth():
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.standard_normal((2, 40, 33)), jnp.float32)
+    teacher = jnp.asarray(rng.standard_normal((2, 40, 33)), jnp.float32)
+    top = jnp.argmax(teacher, -1)
+    logits = logits.at[0, :20].set(teacher[0, :20] * 3)  # these rows agree, the rest by chance (~1/33)
+    want = np.asarray(jnp.argmax(logits, -1) == top)
+    assert want[0, :20].all() and not want[1].all()
+    np.testing.assert_array_equal(np.asarray(top1_hit(logits, top)), want)
+    mask, depth = jnp.ones((2, 40), bool), jnp.asarray(rng.integers(0, 4, (2, 40)))
+    a = draft_loss(logits, teacher, mask, depth, num_depths=4)
+    b = draft_loss(logits, teacher, mask, depth, num_depths=4, teacher_top=top)
+    want_correct = [want[np.asarray(depth) == d].sum() for d in range(4)]
+    np.testing.assert_array_equal(np.asarray(a.correct), want_correct)
+    np.testing.assert_array_equal(np.asarray(b.correct), want_correct)
+    tie = jnp.asarray([[0.0, 2.0, 2.0]])  # the teacher's top token ties the draft's maximum: a hit
+    assert bool(top1_hit(tie, jnp.asarray([2]))[0]) and not bool(top1_hit(tie, jnp.asarray([0]))[0])

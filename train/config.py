@@ -58,7 +58,7 @@ class ModelConfig:
     """Keep embed_tokens at the target's embedding (the mask row stays the pad token's; mask_hidden is learned)."""
     attention: str = "auto"
     """COD attention: kernels (kernels.attention, blockwise, backend auto: memory linear in rows), dense (one
-    [rows, rows] mask: compiles faster, fine for short rows), or auto (dense up to 4096 rows, else kernels)."""
+    [rows, rows] mask: compiles faster, fine for short rows), or auto (dense up to 512 rows, else kernels)."""
     mask_token_id: int | None = None
     """Mask token of the parallel slots (None: the target's pad token, else V-1)."""
     seed: int = 0

@@ -26,6 +26,7 @@ __all__ = [
     "teacher_logits",
     "argmax_in_draft",
     "forward_kl",
+    "top1_hit",
     "draft_loss",
     "acceptance_length",
     "take_rows",
@@ -85,6 +86,19 @@ def forward_kl(draft_logits: jax.Array, teacher: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1)
 
 
+def top1_hit(draft_logits: jax.Array, teacher_top: jax.Array) -> jax.Array:
+    """[...] bool: the teacher's top token (draft ids [...]) is a top token of the draft.
+
+    The draft's logit there against its maximum (the max the log-softmax computes anyway)
+    instead of a second argmax over [.., Vd]: an index-tracking reduce that XLA's CPU backend
+    runs at a third of a max's speed (~0.3 s of a 4 s step at 1792 rows). A tie between the
+    teacher's top token and another draft token counts as a hit (argmax would pick one)."""
+    x = jax.lax.stop_gradient(draft_logits).astype(jnp.float32)
+    vocab, top = x.shape[-1], teacher_top.astype(jnp.int32)
+    flat = jnp.arange(top.size, dtype=jnp.int32).reshape(top.shape) * vocab + top  # one scalar per row
+    return jnp.take(x.reshape(-1), flat) >= jnp.max(x, axis=-1)
+
+
 def draft_loss(
     draft_logits: jax.Array,
     teacher: jax.Array,
@@ -95,6 +109,7 @@ def draft_loss(
     per_depth: bool = False,
     normalizer: jax.Array | float | None = None,
     eps: float = 1e-5,
+    teacher_top: jax.Array | None = None,
 ) -> LossOutput:
     """Loss and per-depth top-1 metrics over rows.
 
@@ -102,8 +117,9 @@ def draft_loss(
     row_mask [...] (loss mask at ref, times any extra row filter such as
     `argmax_in_draft`); depth [...] int in [0, num_depths) (None = all depth 0).
     `normalizer`: the global supervised-row count when rows are split over segments
-    (default: this call's count). Accuracy: argmax(draft) == argmax(teacher), both in
-    draft ids, counted over supervised rows.
+    (default: this call's count). Accuracy: the teacher's top token is the draft's
+    (`top1_hit`), counted over supervised rows; `teacher_top` [...] gives the teacher's
+    argmax when the caller has it (one per token, not per row), else it is computed here.
     """
     mask = row_mask.astype(jnp.float32)
     kl = forward_kl(draft_logits, teacher)
@@ -112,7 +128,9 @@ def draft_loss(
     onehot = jax.nn.one_hot(depth, num_depths, dtype=jnp.float32) * mask[..., None]  # [..., K]
     axes = tuple(range(mask.ndim))
     total = jnp.sum(onehot, axis=axes)
-    hit = (jnp.argmax(draft_logits, axis=-1) == jnp.argmax(teacher, axis=-1)).astype(jnp.float32)
+    if teacher_top is None:
+        teacher_top = jnp.argmax(teacher, axis=-1)
+    hit = top1_hit(draft_logits, teacher_top).astype(jnp.float32)
     correct = jnp.sum(onehot * hit[..., None], axis=axes)
     rows = jnp.sum(mask)
     loss_sum = jnp.sum(kl * mask)

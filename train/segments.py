@@ -30,11 +30,21 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from train.loss import forward_kl, next_rows, take_rows, teacher_logits
+from train.loss import forward_kl, next_rows, take_rows, teacher_logits, top1_hit
 
-__all__ = ["segment_bounds", "row_segments", "resolve_segments", "segment_rows", "segmented_loss"]
+__all__ = ["attention_for", "segment_bounds", "row_segments", "resolve_segments", "segment_rows", "segmented_loss"]
 
 EPS = 1e-5  # train.loss.draft_loss's denominator epsilon (speculators 0.9.0)
+DENSE_MAX_ROWS = 512
+
+
+def attention_for(attention: str, rows: int) -> str:
+    """`--model.attention auto`: one dense [rows, rows] mask for up to DENSE_MAX_ROWS rows (it
+    compiles faster), the blockwise kernels beyond (they skip masked blocks: 1.4x faster per
+    step already at 1792 rows on CPU, bench/train_speed.py)."""
+    if attention == "auto":
+        return "dense" if rows <= DENSE_MAX_ROWS else "kernels"
+    return attention
 
 
 def segment_bounds(length: int, segments: int) -> np.ndarray:
@@ -128,9 +138,7 @@ def segmented_loss(
     nseg, _, r = seg_rows.shape
     bounds = jnp.asarray(segment_bounds(length, nseg))
     c0 = -(-length // nseg)  # depth-0 rows a segment owns, at most
-    if attention == "auto":  # as the flat pass: a dense mask below a few thousand rows
-        attention = "dense" if length + r <= 4096 else "kernels"
-    backend = "auto" if attention == "kernels" else "dense"
+    backend = "auto" if attention_for(attention, length + r) == "kernels" else "dense"
 
     tokens = batch["tokens"]
     row_tok = next_rows(tokens)  # row t: x[t + 1]
@@ -183,8 +191,7 @@ def segmented_loss(
         teacher = jax.nn.log_softmax(teacher_logits(take_rows(y_next, ref), head_w, zeros, softcap=softcap), axis=-1)
         mask = (take_rows(batch["sup"], ref) & (lc >= 0) & owned).astype(jnp.float32)
         kl = forward_kl(logits, teacher) * mask
-        hit = jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)
-        return kl, hit, mask
+        return kl, top1_hit(logits, jnp.argmax(teacher, -1)), mask
 
     def parallel(model, s, idx, pre0, kv0):
         a, d, c, valid, own0, owned0 = rows_of(s, idx)

@@ -33,8 +33,8 @@ from peagle_jax.dtypes import numpy_dtype
 from peagle_jax.models.drafter import DrafterModel, cod_rows_forward, flat_state
 from peagle_jax.sharding import role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
-from train.loss import draft_loss, next_rows, take_rows, teacher_logits
-from train.segments import resolve_segments, segment_rows, segmented_loss
+from train.loss import draft_loss, next_rows, take_rows, teacher_logits, top1_hit
+from train.segments import attention_for, resolve_segments, segment_rows, segmented_loss
 
 __all__ = ["Parts", "split_params", "compute_parts", "make_optimizer", "features", "loss_and_metrics", "TrainStep"]
 
@@ -146,20 +146,20 @@ def loss_and_metrics(
     """(loss, metrics) of one batch from target features aux [B, L, 3H], y [B, L, H]."""
     model = parts.merge(params, frozen)
     anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
-    if attention == "auto":  # a [rows, rows] mask is cheap below a few thousand rows and compiles faster
-        attention = "dense" if anchor.shape[1] <= 4096 else "kernels"
+    attention = attention_for(attention, anchor.shape[1])
     ref = jnp.clip(anchor + depth, 0, aux.shape[1] - 1)
     row_tok = next_rows(batch["tokens"])
     logp_t = _teacher_logp(y, head_w, softcap)
+    top_t = jnp.argmax(logp_t, axis=-1)  # the teacher's top token, once per position (rows gather it)
     sup = take_rows(batch["sup"], ref) & (doc >= 0)
     if mode == "parallel":
         logits = cod_rows_forward(
             model, take_rows(row_tok, ref), take_rows(aux, ref), anchor, depth, doc, mask=attention
         )
-        teacher = take_rows(logp_t, ref)
-        out = draft_loss(logits, teacher, sup, depth, num_depths=k, per_depth=per_depth)
+        teacher, top = take_rows(logp_t, ref), take_rows(top_t, ref)
+        out = draft_loss(logits, teacher, sup, depth, num_depths=k, per_depth=per_depth, teacher_top=top)
         loss = out.loss
-        hit = jnp.argmax(logits, -1) == jnp.argmax(teacher, -1)
+        hit = top1_hit(logits, top)
         correct, total = out.correct, out.total
     else:
         # the training-time test: step j runs only its own L rows, over the keys and values that
@@ -186,12 +186,12 @@ def loss_and_metrics(
             )
             context = model.extend_context(context, res.cache)
             logits = model.head(res.prenorm)
-            teacher = logp_t[:, j:]
-            teacher = jnp.concatenate([teacher, jnp.zeros_like(logp_t[:, :j])], axis=1)
-            o = draft_loss(logits, teacher, sup[:, rows], None, num_depths=1)
+            teacher = jnp.concatenate([logp_t[:, j:], jnp.zeros_like(logp_t[:, :j])], axis=1)
+            top = jnp.concatenate([top_t[:, j:], jnp.zeros_like(top_t[:, :j])], axis=1)
+            o = draft_loss(logits, teacher, sup[:, rows], None, num_depths=1, teacher_top=top)
             loss = loss + (chain_decay**j) * o.loss
             hidden = model.feedback(res.prenorm)
-            hits.append(jnp.argmax(logits, -1) == jnp.argmax(teacher, -1))
+            hits.append(top1_hit(logits, top))
             corrects.append(o.correct[0])
             totals.append(o.total[0])
         hit = jnp.concatenate(hits, axis=1)

@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 from peagle_jax.config import TargetConfig
-from peagle_jax.models.layers import MLP, Attention, RMSNorm
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
 from peagle_jax.models.moe import MoE
 
 
@@ -90,7 +90,7 @@ class Decoder(nnx.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=cfg.norm_offset, param_dtype=param_dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = nnx.Linear(
+            self.lm_head = Linear(
                 cfg.hidden_size, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
             )
 

@@ -35,7 +35,7 @@ from flax import nnx
 import kernels
 from peagle_jax.config import NUM_AUX, DrafterConfig
 from peagle_jax.dtypes import numpy_dtype
-from peagle_jax.models.layers import MLP, Attention, RMSNorm
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
 
 
 # ---------------------------------------------------------------------------------------
@@ -113,14 +113,12 @@ class DrafterModel(nnx.Module):
             self.fc_norm = nnx.List(
                 [RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype) for _ in range(NUM_AUX)]
             )
-        self.fc = nnx.Linear(cfg.fc_in, h, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.fc = Linear(cfg.fc_in, h, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.layers = nnx.List(
             [DrafterLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)]
         )
         self.norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.lm_head = nnx.Linear(
-            h, cfg.draft_vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
-        )
+        self.lm_head = Linear(h, cfg.draft_vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         if cfg.mode == "parallel":
             self.mask_hidden = nnx.Param(jax.random.normal(rngs.params(), (1, 1, cfg.fc_in), param_dtype))
         self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))

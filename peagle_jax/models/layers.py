@@ -32,6 +32,17 @@ assert tuple(ACTIVATIONS) == ACTIVATION_NAMES, "config.ACTIVATION_NAMES names wh
 CACHE_ATTENTION = "decode"
 
 
+class Linear(nnx.Linear):
+    """`nnx.Linear` applied to the input flattened to [rows, features]: the same parameters and
+    result, but XLA's CPU backend runs the weight gradient of a 2-D product as one fast GEMM,
+    where a [B, T, features] input made it an unfused transpose and a slower dot (1.7x on the
+    drafter's [1792, 640] x [640, 2048] weight gradient)."""
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        lead = inputs.shape[:-1]
+        return super().__call__(inputs.reshape(-1, inputs.shape[-1])).reshape(*lead, -1)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis; `offset=1` gives Gemma's (1 + w) scaling (w starts at 0)."""
 
@@ -107,7 +118,7 @@ class Attention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         def linear(fin, fout, use_bias):
-            return nnx.Linear(fin, fout, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            return Linear(fin, fout, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
         self.q_proj = linear(in_features, num_heads * head_dim, bias)
         self.k_proj = linear(in_features, num_kv_heads * head_dim, bias)
@@ -204,7 +215,7 @@ class MLP(nnx.Module):
             raise ValueError(f"unsupported activation {act!r} (supported: {', '.join(ACTIVATIONS)})")
 
         def linear(fin, fout):
-            return nnx.Linear(fin, fout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+            return Linear(fin, fout, use_bias=bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
         self.gate_proj = linear(hidden, intermediate)
         self.up_proj = linear(hidden, intermediate)

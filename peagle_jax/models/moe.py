@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from peagle_jax.config import TargetConfig
-from peagle_jax.models.layers import ACTIVATIONS
+from peagle_jax.models.layers import ACTIVATIONS, Linear
 
 GROUPED_IMPLS = ("auto", "ragged", "blocks", "dense")
 MAX_BLOCK_ROWS = 64
@@ -159,7 +159,7 @@ class MoE(nnx.Module):
     def __init__(
         self, cfg: TargetConfig, *, impl: str = "auto", dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs
     ):
-        self.router = nnx.Linear(
+        self.router = Linear(
             cfg.hidden_size, cfg.num_experts, use_bias=cfg.router_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.experts = Experts(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)

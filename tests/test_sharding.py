@@ -1,5 +1,5 @@
 """Tensor-parallel placement: the speculative engine on 8 simulated CPU devices gives the
-same tokens as on one device. Runs in a subprocess (the device count is fixed at start)."""
+same tokens as on one device (plain greedy decoding there: the engine is lossless). Runs in a subprocess (the device count is fixed at start)."""
 
 from __future__ import annotations
 
@@ -28,11 +28,12 @@ SCRIPT = textwrap.dedent("""
                                 mesh=mesh if sharded else None)
         q = target.state["layers"][0]["self_attn"]["q_proj"]["kernel"][...]
         out[f"q_shards_{sharded}"] = len({str(s.index) for s in q.addressable_shards})
-        for mode in ("parallel", "chain"):
-            drafter = pj.new_drafter(target, num_layers=2, mode=mode, seed=4)
-            dec = SpeculativeDecoder(target, drafter, k=3, mode=mode)
-            out[f"{mode}_{sharded}"] = dec.generate(prompts, max_new_tokens=12).tokens
         out[f"none_{sharded}"] = SpeculativeDecoder(target, mode="none").generate(prompts, max_new_tokens=12).tokens
+    # the speculative modes on the mesh only: lossless, so one device's tokens are its plain greedy ones
+    for mode in ("parallel", "chain"):
+        drafter = pj.new_drafter(target, num_layers=2, mode=mode, seed=4)
+        res = SpeculativeDecoder(target, drafter, k=3, mode=mode).generate(prompts, max_new_tokens=12)
+        out[f"{mode}_True"], out[f"{mode}_rounds"] = res.tokens, res.stats["rounds"]
     print(json.dumps(out))
 """)
 
@@ -47,5 +48,5 @@ def test_sharded_engine_equals_single_device(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["q_shards_False"] == 1 and out["q_shards_True"] == 8  # really spread over the mesh
     for mode in ("parallel", "chain", "none"):
-        assert out[f"{mode}_True"] == out[f"{mode}_False"], mode
-    assert out["parallel_False"] == out["none_False"]  # and still lossless
+        assert out[f"{mode}_True"] == out["none_False"], mode
+    assert out["parallel_rounds"] > 0 and out["chain_rounds"] > 0

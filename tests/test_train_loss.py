@@ -57,5 +57,6 @@ def test_top1_hit_is_argmax_agreement_per_depth():
     want_correct = [want[np.asarray(depth) == d].sum() for d in range(4)]
     np.testing.assert_array_equal(np.asarray(a.correct), want_correct)
     np.testing.assert_array_equal(np.asarray(b.correct), want_correct)
+    np.testing.assert_array_equal(np.asarray(a.hit), want)  # per row, every row (the trainer logs these)
     tie = jnp.asarray([[0.0, 2.0, 2.0]])  # the teacher's top token ties the draft's maximum: a hit
     assert bool(top1_hit(tie, jnp.asarray([2]))[0]) and not bool(top1_hit(tie, jnp.asarray([0]))[0])

@@ -41,10 +41,11 @@ def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, idx.reshape(idx.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def next_rows(x: jax.Array) -> jax.Array:
-    """Row t gets x[:, t + 1] (zeros past the end): the EAGLE shift. Row t holds token x[t + 1]
-    and its teacher is the target's state at t + 1."""
-    return jnp.concatenate([x[:, 1:], jnp.zeros_like(x[:, :1])], axis=1)
+def next_rows(x: jax.Array, n: int = 1) -> jax.Array:
+    """Row t gets x[:, t + n] (zeros past the end). n = 1 is the EAGLE shift: row t holds token
+    x[t + 1] and its teacher is the target's state at t + 1; the chain objective's step j
+    shifts by j more."""
+    return jnp.concatenate([x[:, n:], jnp.zeros_like(x[:, :n])], axis=1)
 
 
 class LossOutput(NamedTuple):
@@ -53,6 +54,7 @@ class LossOutput(NamedTuple):
     rows: jax.Array  # number of supervised rows (float32)
     correct: jax.Array  # [K] top-1 hits per depth (supervised rows)
     total: jax.Array  # [K] supervised rows per depth
+    hit: jax.Array  # [...] bool, every row: the teacher's top token is the draft's (`top1_hit`)
 
 
 def restrict_to_draft(target_logits: jax.Array, d2t: jax.Array) -> jax.Array:
@@ -130,8 +132,8 @@ def draft_loss(
     total = jnp.sum(onehot, axis=axes)
     if teacher_top is None:
         teacher_top = jnp.argmax(teacher, axis=-1)
-    hit = top1_hit(draft_logits, teacher_top).astype(jnp.float32)
-    correct = jnp.sum(onehot * hit[..., None], axis=axes)
+    hit = top1_hit(draft_logits, teacher_top)
+    correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=axes)
     rows = jnp.sum(mask)
     loss_sum = jnp.sum(kl * mask)
     if per_depth:
@@ -141,7 +143,7 @@ def draft_loss(
     else:
         denom = rows if normalizer is None else jnp.asarray(normalizer, jnp.float32)
         loss = loss_sum / (denom + eps)
-    return LossOutput(loss, loss_sum, rows, correct, total)
+    return LossOutput(loss, loss_sum, rows, correct, total, hit)
 
 
 def acceptance_length(per_depth_acc) -> jax.Array:

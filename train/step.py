@@ -33,7 +33,7 @@ from peagle_jax.dtypes import numpy_dtype
 from peagle_jax.models.drafter import DrafterModel, cod_rows_forward, flat_state
 from peagle_jax.sharding import role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
-from train.loss import draft_loss, next_rows, take_rows, teacher_logits, top1_hit
+from train.loss import draft_loss, next_rows, take_rows, teacher_logits
 from train.segments import attention_for, resolve_segments, segment_rows, segmented_loss
 
 __all__ = ["Parts", "split_params", "compute_parts", "make_optimizer", "features", "loss_and_metrics", "TrainStep"]
@@ -158,9 +158,7 @@ def loss_and_metrics(
         )
         teacher, top = take_rows(logp_t, ref), take_rows(top_t, ref)
         out = draft_loss(logits, teacher, sup, depth, num_depths=k, per_depth=per_depth, teacher_top=top)
-        loss = out.loss
-        hit = top1_hit(logits, top)
-        correct, total = out.correct, out.total
+        loss, hit, correct, total = out.loss, out.hit, out.correct, out.total
     else:
         # the training-time test: step j runs only its own L rows, over the keys and values that
         # steps 0..j-1 left (`context`), so every row is computed once (k passes of L rows)
@@ -186,12 +184,12 @@ def loss_and_metrics(
             )
             context = model.extend_context(context, res.cache)
             logits = model.head(res.prenorm)
-            teacher = jnp.concatenate([logp_t[:, j:], jnp.zeros_like(logp_t[:, :j])], axis=1)
-            top = jnp.concatenate([top_t[:, j:], jnp.zeros_like(top_t[:, :j])], axis=1)
-            o = draft_loss(logits, teacher, sup[:, rows], None, num_depths=1, teacher_top=top)
+            o = draft_loss(
+                logits, next_rows(logp_t, j), sup[:, rows], None, num_depths=1, teacher_top=next_rows(top_t, j)
+            )
             loss = loss + (chain_decay**j) * o.loss
             hidden = model.feedback(res.prenorm)
-            hits.append(top1_hit(logits, top))
+            hits.append(o.hit)
             corrects.append(o.correct[0])
             totals.append(o.total[0])
         hit = jnp.concatenate(hits, axis=1)

@@ -6,8 +6,8 @@ schedule, so empty blocks cost nothing and full blocks skip the mask arithmetic 
 ``lax.cond``). Memory is O(T * block): q/k/v/out, O(T) softmax statistics and one
 [Hq, block_q, block_k] score tile at a time; the [T, T] mask never exists.
 
-Backward: a dQ pass with the same loop structure and a dK/dV pass over the transposed
-schedule (for each KV block, the query blocks that see it). GQA: the G query heads of a
+Backward: one pass over the transposed schedule (for each KV block, the query blocks that
+see it): dK/dV accumulate per KV block, dQ is added into the query block's rows. GQA: the G query heads of a
 KV head are processed together against one K/V tile.
 """
 
@@ -125,68 +125,48 @@ def attention_bwd(cfg: C.KernelConfig, q, k, v, sinks, meta, sched, do, lse, del
         dp = _dot(dob, vb, "qhgd,khd->hgqk")
         return p, C.dscores(cfg, p, dp, db, t)
 
-    # ---- dQ: loop over query blocks, inner loop over their KV blocks -----------------
-    ids = flat_ids(sched.fwd_ranges, sched.fwd_count, nK)
-
-    def dq_block(t, dq):
-        b, i = t // nQ, t % nQ
-        qs = q_side(b, i)
-        fs, fe = sched.fwd_full[b, i, 0], sched.fwd_full[b, i, 1]
-
-        def step(s, acc):
-            j = ids[b, i, s]
-            kb, vb, km = k_side(b, j)
-
-            def branch(full):
-                def f(acc):
-                    _, ds = tile(*qs, kb, vb, km, full)
-                    return acc + _dot(ds.astype(kb.dtype), kb, "hgqk,khd->qhgd")
-
-                return f
-
-            return lax.cond((j >= fs) & (j < fe), branch(True), branch(False), acc)
-
-        acc = lax.fori_loop(0, sched.fwd_count[b, i], step, jnp.zeros((bq, Hkv, G, D), jnp.float32))
-        acc = (acc * cfg.scale).reshape(1, bq, Hq, D).astype(dq.dtype)
-        return lax.dynamic_update_slice(dq, acc, (b, i * bq, 0, 0))
-
-    dq = lax.fori_loop(0, B * nQ, dq_block, jnp.zeros((B, Tq, Hq, D), jnp.float32))
-
-    # ---- dK, dV: loop over KV blocks, inner loop over the query blocks that see them ---
+    # ---- one pass: for each KV block, the query blocks that see it. dK/dV accumulate in the
+    # inner loop's carry; dQ is added into the query block's rows of the whole dQ array (an
+    # in-place update of the loop carry), so each tile's scores and probabilities are computed
+    # once, not once for dQ and again for dK/dV.
     ids_t = flat_ids(sched.bwd_ranges, sched.bwd_count, nQ)
 
     def dkv_block(t, carry):
-        dk, dv = carry
+        dq, dk, dv = carry
         b, j = t // nK, t % nK
         kb, vb, km = k_side(b, j)
         fs, fe = sched.bwd_full[b, j, 0], sched.bwd_full[b, j, 1]
 
         def step(s, acc):
+            dq, dka, dva = acc
             i = ids_t[b, j, s]
             qs = q_side(b, i)
             qb, dob = qs[0], qs[1]
 
             def branch(full):
-                def f(acc):
-                    dka, dva = acc
+                def f(dka, dva):
                     p, ds = tile(*qs, kb, vb, km, full)
                     dva = dva + _dot(p.astype(dob.dtype), dob, "hgqk,qhgd->khd")
                     dka = dka + _dot(ds.astype(qb.dtype), qb, "hgqk,qhgd->khd")
-                    return dka, dva
+                    return dka, dva, _dot(ds.astype(kb.dtype), kb, "hgqk,khd->qhgd")
 
                 return f
 
-            return lax.cond((i >= fs) & (i < fe), branch(True), branch(False), acc)
+            # dQ stays out of the cond: a conditional copies the arrays it returns
+            dka, dva, dqb = lax.cond((i >= fs) & (i < fe), branch(True), branch(False), dka, dva)
+            start = (b, i * bq, 0, 0)
+            dqb = dqb.reshape(1, bq, Hq, D)
+            return lax.dynamic_update_slice(dq, lax.dynamic_slice(dq, start, dqb.shape) + dqb, start), dka, dva
 
         z = jnp.zeros((bk, Hkv, D), jnp.float32)
-        dka, dva = lax.fori_loop(0, sched.bwd_count[b, j], step, (z, z))
+        dq, dka, dva = lax.fori_loop(0, sched.bwd_count[b, j], step, (dq, z, z))
         dk = lax.dynamic_update_slice(dk, (dka * cfg.scale)[None], (b, j * bk, 0, 0))
         dv = lax.dynamic_update_slice(dv, dva[None], (b, j * bk, 0, 0))
-        return dk, dv
+        return dq, dk, dv
 
     z = jnp.zeros((B, Tk, Hkv, D), jnp.float32)
-    dk, dv = lax.fori_loop(0, B * nK, dkv_block, (z, z))
-    return dq, dk, dv
+    dq, dk, dv = lax.fori_loop(0, B * nK, dkv_block, (jnp.zeros((B, Tq, Hq, D), jnp.float32), z, z))
+    return dq * cfg.scale, dk, dv
 
 
 op = C.make_op(attention_fwd, attention_bwd)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from . import _common as C
+from . import chain as _chain
 from . import dense as _dense
 from . import reference as _reference
 from .schedule import DEFAULT_NUM_RANGES, build_schedule, pad_rows
@@ -74,7 +75,8 @@ def attention(
     interpreter; TPU: TPU interpret mode, ``pltpu.InterpretParams()``), "generic" (TPU: the
     faster plain Pallas interpreter) or an ``InterpretParams``; ignored by xla/reference.
     ``num_ranges``: KV-block ranges kept per query block by the schedule (see
-    `kernels.schedule`). Differentiable in q, k, v (and sinks; also through lse).
+    `kernels.schedule`). ``spec.chain_depth`` > 0: the blockwise backends gather each query's
+    chain keys of depth 1..chain_depth outside the block loop (`kernels.chain`; same result). Differentiable in q, k, v (and sinks; also through lse).
     Fully masked rows give out 0 and lse -inf (the sink value with sinks). Rows need not be
     sorted; COD layouts sorted by (depth, anchor) make the block schedule tight. Sequences
     are padded to block multiples internally. The schedule is computed inside jit from
@@ -91,6 +93,27 @@ def attention(
         return (out, lse) if return_lse else out
     if backend == "reference":
         out, lse = _reference.attention(q, k, v, spec, sinks=sinks)
+        return (out, lse) if return_lse else out
+
+    if spec.chain_depth:
+        block_spec, idx, found = _chain.split(spec)
+        out1, lse1 = attention(
+            q,
+            k,
+            v,
+            block_spec,
+            sinks=sinks,
+            backend=backend,
+            block_q=block_q,
+            block_k=block_k,
+            return_lse=True,
+            interpret=interpret,
+            num_ranges=num_ranges,
+        )
+        scale = spec.resolved_scale(q.shape[-1])
+        out2, lse2 = _chain.attention(q, k, v, idx, found, scale=scale, softcap=spec.softcap)
+        out, lse = _chain.merge(out1, lse1, out2, lse2)
+        out = out.astype(q.dtype)
         return (out, lse) if return_lse else out
 
     D = q.shape[-1]

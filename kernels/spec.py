@@ -72,7 +72,10 @@ class AttentionSpec:
     ``kv_anchor, kv_depth, kv_doc`` [B, Tk] int32. Static fields (pytree aux data, part of
     the jit cache key): ``sliding_window`` (a depth-0 key outside the window of the query's
     reference position, ``q_anchor + q_depth - kv_anchor >= window``, is hidden), ``softcap``
-    (scores become ``c * tanh(s / c)``), ``scale`` (default ``1/sqrt(D)``).
+    (scores become ``c * tanh(s / c)``), ``scale`` (default ``1/sqrt(D)``), ``chain_depth`` (a
+    speed setting of the blockwise backends, the same result for any value: the keys of depth
+    1..chain_depth of each query's own chain are gathered outside the block loop, `kernels.chain`;
+    0 = none; a COD layout with depths < K wants K - 1).
 
     Build it with :meth:`causal` or :meth:`peagle`; the dataclass constructor takes the
     arrays as they are (use :meth:`make` to validate and broadcast 1-D inputs).
@@ -87,11 +90,23 @@ class AttentionSpec:
     sliding_window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+    chain_depth: int = 0
 
     # -- constructors -------------------------------------------------------------------
     @classmethod
     def make(
-        cls, q_anchor, q_depth, q_doc, kv_anchor, kv_depth, kv_doc, *, sliding_window=None, softcap=None, scale=None
+        cls,
+        q_anchor,
+        q_depth,
+        q_doc,
+        kv_anchor,
+        kv_depth,
+        kv_doc,
+        *,
+        sliding_window=None,
+        softcap=None,
+        scale=None,
+        chain_depth=0,
     ) -> AttentionSpec:
         """Validating constructor: accepts [T] or [B, T] integer arrays, casts to int32."""
         arrs = dict(
@@ -115,7 +130,9 @@ class AttentionSpec:
                 raise ValueError(f"AttentionSpec.softcap must be > 0, got {softcap}")
         if scale is not None:
             scale = float(scale)
-        return cls(**arrs, sliding_window=sliding_window, softcap=softcap, scale=scale)
+        if isinstance(chain_depth, bool) or int(chain_depth) != chain_depth or chain_depth < 0:
+            raise ValueError(f"AttentionSpec.chain_depth must be an integer >= 0, got {chain_depth!r}")
+        return cls(**arrs, sliding_window=sliding_window, softcap=softcap, scale=scale, chain_depth=int(chain_depth))
 
     @classmethod
     def causal(
@@ -171,10 +188,14 @@ class AttentionSpec:
         )
 
     @classmethod
-    def peagle(cls, anchor, depth, doc, *, sliding_window=None, softcap=None, scale=None) -> AttentionSpec:
+    def peagle(
+        cls, anchor, depth, doc, *, sliding_window=None, softcap=None, scale=None, chain_depth=0
+    ) -> AttentionSpec:
         """P-EAGLE self-attention over COD rows (queries and keys are the same rows)."""
         a, d, c = _as_i32(anchor, "anchor"), _as_i32(depth, "depth"), _as_i32(doc, "doc")
-        return cls.make(a, d, c, a, d, c, sliding_window=sliding_window, softcap=softcap, scale=scale)
+        return cls.make(
+            a, d, c, a, d, c, sliding_window=sliding_window, softcap=softcap, scale=scale, chain_depth=chain_depth
+        )
 
     # -- helpers ------------------------------------------------------------------------
     @property
@@ -204,5 +225,5 @@ class AttentionSpec:
 jax.tree_util.register_dataclass(
     AttentionSpec,
     data_fields=["q_anchor", "q_depth", "q_doc", "kv_anchor", "kv_depth", "kv_doc"],
-    meta_fields=["sliding_window", "softcap", "scale"],
+    meta_fields=["sliding_window", "softcap", "scale", "chain_depth"],
 )

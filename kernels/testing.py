@@ -38,6 +38,7 @@ class Case:
     softcap: float | None = None
     window: int | None = None
     seed: int = 0
+    chain_depth: int = 0  # AttentionSpec.chain_depth of the COD cases
 
 
 def make_case(case: Case):
@@ -63,7 +64,9 @@ def make_case(case: Case):
         T = max(len(a) for a, _, _ in rows) + case.pad_extra
         rows = [pad_layout(*row, T) for row in rows]
         a, d, c = (np.stack(x) for x in zip(*rows))
-        spec = AttentionSpec.peagle(a, d, c, sliding_window=case.window, softcap=case.softcap)
+        spec = AttentionSpec.peagle(
+            a, d, c, sliding_window=case.window, softcap=case.softcap, chain_depth=case.chain_depth
+        )
         Tq = Tk = T
         B = a.shape[0]
     dt = jnp.dtype(case.dtype)

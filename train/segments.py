@@ -181,7 +181,7 @@ def segmented_loss(
         `rows` (the segment's rows run so far, q's last)."""
         cat = functools.partial(jnp.concatenate, axis=1)
         kv = (cat([ctx, x]) for ctx, x in zip((ctx_a, ctx_d, ctx_c), rows))
-        return kernels.AttentionSpec.make(*q, *kv)
+        return kernels.AttentionSpec.make(*q, *kv, chain_depth=k - 1)
 
     def row_loss(model, pre, la, ld, lc, owned):
         """KL and hits of loss rows from their pre-norm states (teacher per row, at ref)."""

@@ -154,10 +154,12 @@ def loss_and_metrics(
     sup = take_rows(batch["sup"], ref) & (doc >= 0)
     if mode == "parallel":
         logits = cod_rows_forward(
-            model, take_rows(row_tok, ref), take_rows(aux, ref), anchor, depth, doc, mask=attention
+            model, take_rows(row_tok, ref), take_rows(aux, ref), anchor, depth, doc, mask=attention, chain_depth=k - 1
         )
-        teacher, top = take_rows(logp_t, ref), take_rows(top_t, ref)
-        out = draft_loss(logits, teacher, sup, depth, num_depths=k, per_depth=per_depth, teacher_top=top)
+        top = take_rows(top_t, ref)
+        out = draft_loss(
+            logits, logp_t, sup, depth, num_depths=k, per_depth=per_depth, teacher_top=top, teacher_rows=ref
+        )
         loss, hit, correct, total = out.loss, out.hit, out.correct, out.total
     else:
         # the training-time test: step j runs only its own L rows, over the keys and values that
@@ -171,7 +173,13 @@ def loss_and_metrics(
             rows = slice(j * length, (j + 1) * length)
             a, d, c = anchor[:, rows], depth[:, rows], doc[:, rows]
             spec = kernels.AttentionSpec.make(
-                a, d, c, anchor[:, : (j + 1) * length], depth[:, : (j + 1) * length], doc[:, : (j + 1) * length]
+                a,
+                d,
+                c,
+                anchor[:, : (j + 1) * length],
+                depth[:, : (j + 1) * length],
+                doc[:, : (j + 1) * length],
+                chain_depth=k - 1,
             )
             res = model(
                 take_rows(row_tok, jnp.clip(a + d, 0, length - 1)),

@@ -302,6 +302,7 @@ def cod_rows_forward(
     depth: jax.Array,
     doc: jax.Array,
     mask: str = "dense",
+    chain_depth: int = 0,
 ) -> jax.Array:
     """Logits [B, N, Vd] over COD rows, no cache.
 
@@ -313,7 +314,8 @@ def cod_rows_forward(
     sliding layer with its window, counted from the reference position); `mask`
     "dense" (or None) builds it as one [B, N, N] mask (short rows, tests); "kernels" computes it
     block by block from the row metadata (`kernels.attention`, backend auto: memory linear in N,
-    the path for long sequences).
+    the path for long sequences); `chain_depth`: `kernels.AttentionSpec.chain_depth` (K - 1 for
+    rows of depths < K: the kernels gather each row's chain instead of visiting its blocks).
     """
     cfg = model.config
     if cfg.mask_token_id is None:
@@ -324,7 +326,7 @@ def cod_rows_forward(
     positions = jnp.where(doc >= 0, anchor + depth, -1)
     if mask not in (None, "dense", "kernels"):
         raise ValueError(f"cod_rows_forward: mask must be 'dense' or 'kernels', got {mask!r}")
-    spec = kernels.AttentionSpec.peagle(anchor, depth, doc)
+    spec = kernels.AttentionSpec.peagle(anchor, depth, doc, chain_depth=chain_depth)
     backend = "auto" if mask == "kernels" else "dense"
     return model(tok, model.fuse(hidden), positions, None, spec, backend).logits
 

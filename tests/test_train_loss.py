@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.loss import draft_loss, restrict_to_draft, teacher_logits, top1_hit
+from train.loss import draft_loss, forward_kl, restrict_to_draft, take_rows, teacher_logits, top1_hit
 
 
 def test_teacher_equals_the_full_softmax_restricted_and_renormalised():
@@ -60,3 +60,30 @@ def test_top1_hit_is_argmax_agreement_per_depth():
     np.testing.assert_array_equal(np.asarray(a.hit), want)  # per row, every row (the trainer logs these)
     tie = jnp.asarray([[0.0, 2.0, 2.0]])  # the teacher's top token ties the draft's maximum: a hit
     assert bool(top1_hit(tie, jnp.asarray([2]))[0]) and not bool(top1_hit(tie, jnp.asarray([0]))[0])
+
+
+def test_forward_kl_and_its_gradient_equal_autodiff_of_the_definition():
+    """The custom-gradient KL (teacher per row, or per position read through `rows`) against
+    autodiff of sum p (log p - log q), with a teacher that has exact zeros (p log p = 0 there)."""
+    rng = np.random.default_rng(3)
+    z = jnp.asarray(4 * rng.standard_normal((2, 9, 50)), jnp.float32)
+    t = 6 * rng.standard_normal((2, 5, 50)).astype(np.float32)
+    t[0, 1, :10] = -1e9  # p underflows to 0 on these ids
+    t = jnp.asarray(t)
+    rows = jnp.asarray(rng.integers(0, 5, (2, 9)), jnp.int32)
+    w = jnp.asarray(rng.random((2, 9)), jnp.float32)
+
+    def definition(z, teacher):
+        logq, logp = jax.nn.log_softmax(z, -1), jax.nn.log_softmax(teacher, -1)
+        return jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * (logp - logq), 0.0), -1)
+
+    for got_fn, teacher in (
+        (lambda z: forward_kl(z, t, rows), take_rows(t, rows)),
+        (lambda z: forward_kl(z, t[:, :3]), t[:, :3]),
+    ):
+        zz = z if teacher.shape[1] == 9 else z[:, :3]
+        want, want_g = jax.value_and_grad(lambda z: jnp.sum(definition(z, teacher) * w[:, : z.shape[1]]))(zz)
+        got, got_g = jax.value_and_grad(lambda z: jnp.sum(got_fn(z) * w[:, : z.shape[1]]))(zz)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(got_g), np.asarray(want_g), rtol=1e-4, atol=1e-6)
+        assert float(jnp.max(jnp.abs(got_g))) > 1e-3  # a gradient that can be wrong

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "LossOutput",
@@ -80,12 +81,46 @@ def argmax_in_draft(target_logits: jax.Array, t2d: jax.Array) -> jax.Array:
     return t2d[jnp.argmax(target_logits, axis=-1)]
 
 
-def forward_kl(draft_logits: jax.Array, teacher: jax.Array) -> jax.Array:
-    """Per-row KL(softmax(teacher) || softmax(draft)) [...], float32."""
-    logq = jax.nn.log_softmax(draft_logits.astype(jnp.float32), axis=-1)
-    logp = jax.nn.log_softmax(teacher.astype(jnp.float32), axis=-1)
+def forward_kl(draft_logits: jax.Array, teacher: jax.Array, rows: jax.Array | None = None) -> jax.Array:
+    """Per-row KL(softmax(teacher) || softmax(draft)) [...], float32.
+
+    teacher: logits [..., Vd] per row, or with `rows` [B, N] the logits [B, P, Vd] per position,
+    row i reading position rows[:, i] (no [B, N, Vd] copy of the teacher is made). One custom
+    gradient, softmax(draft) - teacher, instead of autodiff through two log-softmaxes: fewer
+    passes over the [rows, Vd] logits."""
+    logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher).astype(jnp.float32), axis=-1)
     p = jnp.exp(logp)
-    return jnp.sum(jnp.where(p > 0, p * (logp - logq), 0.0), axis=-1)
+    neg_entropy = jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # per position: sum p log p
+    return _kl_rows(draft_logits, logp, rows, _at(neg_entropy, rows), _at(jnp.sum(p, -1), rows))
+
+
+def _at(x, rows):
+    return x if rows is None else take_rows(x, rows)
+
+
+@jax.custom_vjp
+def _kl_rows(z, logp, rows, neg_entropy, mass):
+    """sum_v p (log p - log q) = sum p log p - sum p z + lse(z) sum p, p = exp(logp[rows])."""
+    return _kl_rows_fwd(z, logp, rows, neg_entropy, mass)[0]
+
+
+def _kl_rows_fwd(z, logp, rows, neg_entropy, mass):
+    zf = z.astype(jnp.float32)
+    lse = jax.nn.logsumexp(zf, axis=-1)
+    p = jnp.exp(_at(logp, rows))  # fused into the reduction: never stored
+    kl = neg_entropy - jnp.sum(p * zf, axis=-1) + lse * mass
+    return kl, (z, logp, rows, lse, mass)
+
+
+def _kl_rows_bwd(res, g):
+    z, logp, rows, lse, mass = res
+    q = jnp.exp(z.astype(jnp.float32) - lse[..., None])
+    dz = g[..., None] * (q * mass[..., None] - jnp.exp(_at(logp, rows)))
+    zero_rows = None if rows is None else np.zeros(rows.shape, jax.dtypes.float0)
+    return dz.astype(z.dtype), None, zero_rows, None, None
+
+
+_kl_rows.defvjp(_kl_rows_fwd, _kl_rows_bwd)
 
 
 def top1_hit(draft_logits: jax.Array, teacher_top: jax.Array) -> jax.Array:
@@ -112,6 +147,7 @@ def draft_loss(
     normalizer: jax.Array | float | None = None,
     eps: float = 1e-5,
     teacher_top: jax.Array | None = None,
+    teacher_rows: jax.Array | None = None,
 ) -> LossOutput:
     """Loss and per-depth top-1 metrics over rows.
 
@@ -122,9 +158,11 @@ def draft_loss(
     (default: this call's count). Accuracy: the teacher's top token is the draft's
     (`top1_hit`), counted over supervised rows; `teacher_top` [...] gives the teacher's
     argmax when the caller has it (one per token, not per row), else it is computed here.
+    `teacher_rows` [B, N]: teacher is per position [B, P, Vd], row i reads rows[:, i]
+    (`forward_kl`); teacher_top is then per row.
     """
     mask = row_mask.astype(jnp.float32)
-    kl = forward_kl(draft_logits, teacher)
+    kl = forward_kl(draft_logits, teacher, teacher_rows)
     if depth is None:
         depth = jnp.zeros(mask.shape, jnp.int32)
     onehot = jax.nn.one_hot(depth, num_depths, dtype=jnp.float32) * mask[..., None]  # [..., K]
@@ -132,6 +170,7 @@ def draft_loss(
     total = jnp.sum(onehot, axis=axes)
     if teacher_top is None:
         teacher_top = jnp.argmax(teacher, axis=-1)
+        teacher_top = teacher_top if teacher_rows is None else take_rows(teacher_top, teacher_rows)
     hit = top1_hit(draft_logits, teacher_top)
     correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=axes)
     rows = jnp.sum(mask)

@@ -4,6 +4,8 @@ For N positions and K depths (COD sampling, r=0.7, r_min=0.2: about 3.4 N rows a
 measures forward+backward time and peak memory of
 
 * ``blockwise``: ``kernels.attention(..., backend="xla")`` (schedule + blockwise loops),
+* ``blockwise-chain``: the same with ``AttentionSpec.chain_depth = K - 1`` (each row's chain keys
+  gathered outside the block loop, `kernels.chain`: what the trainer runs),
 * ``dense``: ``jax.nn.dot_product_attention(..., mask=[B,1,T,T] bool, implementation="xla")``
   (only where its predicted footprint fits, see --dense-limit-gb),
 
@@ -42,12 +44,12 @@ def child(args):
     import jax
     import jax.numpy as jnp
 
-    from kernels import AttentionSpec, attention, make_schedule
+    from kernels import AttentionSpec, attention, chain, make_schedule
     from kernels.layouts import cod_layout
 
     a, d, c = cod_layout(args.n, args.k, r=0.7, r_min=0.2, rng=0)
     T = len(a)
-    spec = AttentionSpec.peagle(a, d, c)
+    spec = AttentionSpec.peagle(a, d, c, chain_depth=args.k - 1 if args.path == "blockwise-chain" else 0)
     key = jax.random.PRNGKey(0)
     kq, kk, kv, kd = jax.random.split(key, 4)
     q = jax.random.normal(kq, (1, T, args.hq, args.d), jnp.float32)
@@ -55,7 +57,7 @@ def child(args):
     v = jax.random.normal(kv, (1, T, args.hkv, args.d), jnp.float32)
     do = jax.random.normal(kd, q.shape, jnp.float32)
 
-    if args.path == "blockwise":
+    if args.path.startswith("blockwise"):
 
         def fwd(q, k, v, spec):
             return attention(q, k, v, spec, backend="xla", block_q=args.block, block_k=args.block)
@@ -81,7 +83,8 @@ def child(args):
         jax.block_until_ready(step(q, k, v, spec, do))
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    sched = jax.jit(make_schedule, static_argnums=(1, 2))(spec, args.block, args.block)
+    loop_spec = jax.jit(lambda s: chain.split(s)[0])(spec) if spec.chain_depth else spec
+    sched = jax.jit(make_schedule, static_argnums=(1, 2))(loop_spec, args.block, args.block)
     print(
         json.dumps(
             dict(

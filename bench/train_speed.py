@@ -6,7 +6,8 @@ the same CPU threads, one optimizer step = forward + backward + gradient clippin
 * ours: `train.step.TrainStep` on cached target features (the step `python -m train` runs with
   `--data.cache_features`), rows from `train.cod.make_batch` (the trainer's defaults: K_train 8,
   r 0.7, r_min 0.2, rows padded to row_factor 3.5 x L in buckets of 512), attention `auto`
-  (a dense [rows, rows] mask up to 4096 rows, the blockwise kernels beyond), optax AdamW.
+  (a dense [rows, rows] mask up to 512 rows, the blockwise kernels beyond, the chain keys gathered:
+  `AttentionSpec.chain_depth` K - 1), optax AdamW.
 * theirs: speculators 0.9.0 `PEagleDraftModel` (PyTorch) doing what `speculators.train.trainer`
   does per step minus autocast (f32): `model(**batch)`, `zero_grad`, `loss.backward()`,
   `clip_grad_norm_(1.0)`, `torch.optim.AdamW` step, linear LR schedule step. Loss: its eager

@@ -11,12 +11,13 @@ per-row metadata. ``kernels.layouts.cod_layout`` builds COD row layouts for test
 This package depends on nothing else in the project.
 """
 
-from . import decode, dense, layouts, reference, schedule
+from . import chain, decode, dense, layouts, reference, schedule
 from .api import attention, resolve_backend
 from .schedule import BlockSchedule, make_schedule
 from .spec import AttentionSpec, visible
 
 __all__ = [
+    "chain",
     "decode",
     "dense",
     "AttentionSpec",

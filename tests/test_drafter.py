@@ -382,3 +382,28 @@ def test_new_drafter_gemma_target(tmp_path):
     assert d.config.hidden_act == "silu" and d.config.mask_token_id == (
         target.config.pad_token_id if target.config.pad_token_id is not None else target.config.vocab_size - 1
     )
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_weight_gradient_equals_autodiff_of_the_formula(offset):
+    """`layers.scale_rows` (the norm's custom weight gradient, a [1, rows] x [rows, H] product)
+    against autodiff of the plain formula, for Llama's and Gemma's scaling."""
+    from peagle_jax.models.layers import RMSNorm
+
+    w = jax.random.normal(jax.random.PRNGKey(1), (16,))
+    x = jax.random.normal(jax.random.PRNGKey(2), (2, 5, 16))
+    c = jax.random.normal(jax.random.PRNGKey(3), (2, 5, 16))
+
+    def plain(w, x):
+        y = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+        return jnp.sum(y * (offset + w if offset else w) * c)
+
+    def ours(w, x):
+        norm = RMSNorm(16, 1e-6, offset=offset)
+        norm.weight = nnx.Param(w)
+        return jnp.sum(norm(x) * c)
+
+    for i in (0, 1):
+        want, got = jax.grad(plain, argnums=i)(w, x), jax.grad(ours, argnums=i)(w, x)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert float(jnp.max(jnp.abs(want))) > 1e-2

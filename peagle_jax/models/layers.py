@@ -57,8 +57,29 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         if self.offset:  # Gemma scales in float32, then casts
-            return (y * (self.offset + self.weight[...].astype(jnp.float32))).astype(x.dtype)
-        return self.weight[...] * y.astype(x.dtype)  # Llama casts, then scales
+            return scale_rows(y, self.offset + self.weight[...].astype(jnp.float32)).astype(x.dtype)
+        return scale_rows(y.astype(x.dtype), self.weight[...])  # Llama casts, then scales
+
+
+@jax.custom_vjp
+def scale_rows(y: jax.Array, w: jax.Array) -> jax.Array:
+    """y [..., H] * w [H], its weight gradient a [1, rows] x [rows, H] product: XLA's CPU backend
+    ran the column sum inside the training step at ~1/40 of its speed alone (~100 ms per norm)."""
+    return y * w
+
+
+def _scale_rows_fwd(y, w):
+    return y * w, (y, w)
+
+
+def _scale_rows_bwd(res, g):
+    y, w = res
+    gy = (g * y).reshape(-1, y.shape[-1])
+    dw = jnp.dot(jnp.ones((1, gy.shape[0]), gy.dtype), gy, preferred_element_type=jnp.float32)[0]
+    return (g * w).astype(y.dtype), dw.astype(w.dtype)
+
+
+scale_rows.defvjp(_scale_rows_fwd, _scale_rows_bwd)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:

@@ -14,9 +14,12 @@ per-document positions), stay in the block loop.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
+from . import dense
 from .spec import AttentionSpec
 
 __all__ = ["split", "attention", "merge"]
@@ -49,43 +52,28 @@ def split(spec: AttentionSpec):
     w = jnp.arange(1, width + 1, dtype=jnp.int32)
     target, q_ok = _code(qa[..., None], w, width)  # [B, Tq, W]
     pos = jax.vmap(lambda c, t: jnp.searchsorted(c, t.reshape(-1)).reshape(t.shape))(code_s, target)
-    pos = jnp.minimum(pos, code.shape[1] - 1)
-    idx = jnp.take_along_axis(order, pos.reshape(pos.shape[0], -1), axis=-1).reshape(pos.shape)
-    hit = jnp.take_along_axis(code_s, pos.reshape(pos.shape[0], -1), axis=-1).reshape(pos.shape) == target
-    uniq = jnp.take_along_axis(unique_s, pos.reshape(pos.shape[0], -1), axis=-1).reshape(pos.shape)
-    key_doc = jnp.take_along_axis(kc, idx.reshape(idx.shape[0], -1), axis=-1).reshape(idx.shape)
-    found = hit & uniq & q_ok & (w <= qd[..., None]) & (qc[..., None] >= 0) & (key_doc == qc[..., None])
-    block_spec = AttentionSpec(*spec.q_meta, ka, kd, jnp.where(gathered, -1, kc), **_static(spec, chain_depth=0))
-    return block_spec, idx, found
+    pos = jnp.minimum(pos, code.shape[1] - 1).reshape(pos.shape[0], -1)
 
+    def at(x, i):  # x [B, Tk] read at i [B, Tq * W] -> [B, Tq, W]
+        return jnp.take_along_axis(x, i, axis=-1).reshape(target.shape)
 
-def _static(spec: AttentionSpec, **over) -> dict:
-    st = dict(sliding_window=spec.sliding_window, softcap=spec.softcap, scale=spec.scale, chain_depth=spec.chain_depth)
-    return st | over
+    idx = at(order, pos)
+    found = at(code_s, pos) == target
+    found &= at(unique_s, pos) & q_ok & (w <= qd[..., None]) & (qc[..., None] >= 0)
+    found &= at(kc, idx.reshape(pos.shape)) == qc[..., None]
+    return dataclasses.replace(spec, kv_doc=jnp.where(gathered, -1, kc), chain_depth=0), idx, found
 
 
 def attention(q, k, v, idx, found, *, scale: float, softcap: float | None):
-    """Each query over its gathered keys: (out [B, Tq, Hq, D] f32, lse [B, Hq, Tq] f32; no key:
-    out 0, lse -inf)."""
+    """Each query over its gathered keys: `kernels.dense` with one query per batch row and its
+    W keys: (out [B, Tq, Hq, D], lse [B, Hq, Tq] f32; no key: out 0, lse -inf)."""
     b, tq, hq, d = q.shape
-    hkv = k.shape[2]
-    flat = idx.reshape(b, -1)
-    kc = jnp.take_along_axis(k, flat[:, :, None, None], axis=1).reshape(b, tq, -1, hkv, d)
-    vc = jnp.take_along_axis(v, flat[:, :, None, None], axis=1).reshape(b, tq, -1, hkv, d)
-    qg = q.reshape(b, tq, hkv, hq // hkv, d)
-    s = jnp.einsum("bthgd,btwhd->bthgw", qg, kc, preferred_element_type=jnp.float32) * scale
-    if softcap is not None:
-        s = softcap * jnp.tanh(s / softcap)
-    m = found[:, :, None, None, :]
-    mx = jax.lax.stop_gradient(jnp.max(jnp.where(m, s, -jnp.inf), axis=-1, keepdims=True))
-    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-    p = jnp.where(m, jnp.exp(jnp.where(m, s, 0.0) - mx), 0.0)
-    denom = jnp.sum(p, axis=-1)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    out = jnp.einsum(
-        "bthgw,btwhd->bthgd", (p / safe[..., None]).astype(v.dtype), vc, preferred_element_type=jnp.float32
+    hkv, width = k.shape[2], idx.shape[-1]
+    flat = idx.reshape(b, -1)[:, :, None, None]
+    kc, vc = (jnp.take_along_axis(x, flat, axis=1).reshape(b * tq, width, hkv, d) for x in (k, v))
+    out, lse = dense.attention(
+        q.reshape(b * tq, 1, hq, d), kc, vc, found.reshape(b * tq, 1, width), scale=scale, softcap=softcap
     )
-    lse = jnp.where(denom > 0, mx[..., 0] + jnp.log(safe), -jnp.inf)
     return out.reshape(b, tq, hq, d), jnp.moveaxis(lse.reshape(b, tq, hq), 1, 2)
 
 

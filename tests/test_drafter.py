@@ -289,10 +289,7 @@ def test_cod_rows_match_the_inference_layout():
     tokens, aux, pos = inputs(BASE)
     anchor = jnp.asarray([list(range(T)) + [3, 3, 5]], jnp.int32)
     depth = jnp.asarray([[0] * T + [1, 2, 1]], jnp.int32)
-    ref = jnp.minimum(anchor + depth, T - 1)
-    rows_logits = _cod_jit(
-        d.graphdef, d.state, tokens[:, ref[0]], aux[:, ref[0]], anchor, depth, jnp.zeros_like(anchor)
-    )
+    rows_logits = _cod_jit(d.graphdef, d.state, tokens, aux, anchor, depth, jnp.zeros_like(anchor))
     assert float(jnp.abs(rows_logits[:, :T] - d.apply(tokens, d.fuse(aux), pos).logits).max()) < 1e-5
     # the single-pass layouts, one per COD row, batched and right-padded (position -1)
     cases = [(3, 1), (3, 2), (5, 1)]
@@ -407,3 +404,66 @@ def test_rms_norm_weight_gradient_equals_autodiff_of_the_formula(offset):
         want, got = jax.grad(plain, argnums=i)(w, x), jax.grad(ours, argnums=i)(w, x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
         assert float(jnp.max(jnp.abs(want))) > 1e-2
+
+
+def test_pick_rows_and_its_gradient_equal_the_plain_gather():
+    """`layers.pick_rows` (rows from per-position values or one slot; custom gradient: a
+    scatter-add and a [1, rows] x [rows, F] product) against autodiff of take + where, with
+    positions read by several rows and by none, and with no positions at all."""
+    from peagle_jax.models.layers import pick_rows
+
+    per_pos = jax.random.normal(jax.random.PRNGKey(1), (2, 6, 8))
+    slot = jax.random.normal(jax.random.PRNGKey(2), (8,))
+    source = jnp.asarray([[0, 3, 3, -1, 5, -1, 0], [-1, -1, 2, 2, 2, 1, -1]], jnp.int32)
+    c = jax.random.normal(jax.random.PRNGKey(3), (2, 7, 8))
+
+    def plain(per_pos, slot):
+        rows = jnp.take_along_axis(per_pos, jnp.clip(source, 0)[..., None], axis=1)
+        return jnp.sum(jnp.where((source >= 0)[..., None], rows, slot) * c)
+
+    def ours(per_pos, slot):
+        return jnp.sum(pick_rows(per_pos, slot, source) * c)
+
+    np.testing.assert_allclose(ours(per_pos, slot), plain(per_pos, slot), rtol=1e-6)
+    for i in (0, 1):
+        want, got = jax.grad(plain, argnums=i)(per_pos, slot), jax.grad(ours, argnums=i)(per_pos, slot)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+        assert float(jnp.max(jnp.abs(want))) > 1e-2
+    none = jnp.full((2, 7), -1, jnp.int32)  # no positions: every row the slot
+    d_slot = jax.grad(lambda s: jnp.sum(pick_rows(per_pos[:, :0], s, none) * c))(slot)
+    np.testing.assert_allclose(np.asarray(d_slot), np.asarray(jnp.sum(c, axis=(0, 1))), rtol=1e-5)
+
+
+def test_rows_with_a_source_equal_their_gathered_inputs():
+    """`DrafterModel.__call__(source=...)` (layer 0 computed per position and for the mask slot,
+    then picked per row) gives the logits and gradients of the same call with every row's
+    token and hidden input written out; with no positions (tokens None) every row is the slot."""
+    d = perturbed(BASE)
+    tokens, aux, _ = inputs(BASE)
+    source = jnp.asarray([[0, 1, 2, -1, 3, -1, 1, -1]], jnp.int32)
+    positions = jnp.asarray([[0, 1, 2, 3, 3, 4, 1, 2]], jnp.int32)
+    m = d.model
+
+    def picked(state):
+        m = nnx.merge(d.graphdef, state)
+        return m(tokens, m.fuse(aux), positions, source=source).logits
+
+    def written_out(state):
+        m = nnx.merge(d.graphdef, state)
+        real = source >= 0
+        at = jnp.clip(source[0], 0)
+        tok = jnp.where(real, tokens[:, at], m.config.mask_token_id)
+        g = jnp.where(real[..., None], m.fuse(aux)[:, at], m.mask_g())
+        return m(tok, g, positions).logits
+
+    np.testing.assert_allclose(np.asarray(picked(d.state)), np.asarray(written_out(d.state)), rtol=1e-5, atol=1e-5)
+    c = jax.random.normal(jax.random.PRNGKey(0), picked(d.state).shape)
+    grads = [jax.grad(lambda st, f=f: jnp.sum(f(st) * c), allow_int=True)(d.state) for f in (picked, written_out)]
+    for (path, got), (_, want) in zip(nnx.to_flat_state(grads[0]), nnx.to_flat_state(grads[1])):
+        if jnp.issubdtype(want[...].dtype, jnp.floating):
+            np.testing.assert_allclose(
+                np.asarray(got[...]), np.asarray(want[...]), rtol=1e-4, atol=1e-5, err_msg=str(path)
+            )
+    slot_only = m(None, None, positions, source=jnp.full_like(source, -1)).logits
+    every_slot = m(jnp.full_like(source, m.config.mask_token_id), jnp.broadcast_to(m.mask_g(), (1, 8, H)), positions)
+    np.testing.assert_allclose(np.asarray(slot_only), np.asarray(every_slot.logits), rtol=1e-5, atol=1e-5)

@@ -150,15 +150,16 @@ def cod_inputs(seed=0):
     rows = [cod_layout(72, K, rng=rng, docs=3), cod_layout(60, K, r=0.8, rng=rng, docs=2)]
     n = max(len(r[0]) for r in rows) + 4
     anchor, depth, doc = (np.stack(x) for x in zip(*[pad_layout(*r, n) for r in rows]))
-    ref = np.minimum(anchor + depth, 71)
     tokens = rng.integers(0, V, (2, 72))
     aux = rng.standard_normal((2, 72, 3 * H)).astype(np.float32)
-    take = np.arange(2)[:, None]
-    return tokens[take, ref], aux[take, ref], anchor, depth, doc
+    return tokens, aux, anchor, depth, doc
 
 
 def cod_reference(d: Drafter, tokens, aux, anchor, depth, doc):
+    """The COD rows as a plain drafter call: every row's inputs gathered at its reference position."""
     m = d.model
+    take, ref = np.arange(len(anchor))[:, None], np.minimum(anchor + depth, tokens.shape[1] - 1)
+    tokens, aux = tokens[take, ref], aux[take, ref]
     real = depth == 0
     tok = jnp.asarray(np.where(real, tokens, d.config.mask_token_id))
     hidden = jnp.where(real[..., None], aux, m.mask_hidden[...][0])
@@ -327,8 +328,7 @@ def test_single_pass_layout_equals_cod_rows_when_the_window_covers_the_chain():
     aux = rng.standard_normal((1, n, 3 * H)).astype(np.float32)
     anchor = np.r_[np.arange(n), np.full(K - 1, n - 1)][None]
     depth = np.r_[np.zeros(n, int), np.arange(1, K)][None]
-    ref = np.minimum(anchor + depth, n - 1)
-    rows = (tokens[:, ref[0]], aux[:, ref[0]], anchor, depth, np.zeros_like(anchor))
+    rows = (tokens, aux, anchor, depth, np.zeros_like(anchor))
     cod = np.asarray(cod_logits(d, rows, "dense"))[0]
     m = d.model
     tok = np.r_[tokens[0], np.full(K - 1, d.config.mask_token_id)][None]

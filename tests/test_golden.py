@@ -67,10 +67,9 @@ def test_mask_rule_matches(rows):
 
 
 def _cod_args(rows):
-    ref = rows["anchor"] + rows["depth"]
     return [
         jnp.asarray(a)[None]
-        for a in (rows["input_ids"][ref], rows["aux_hidden"][ref], rows["anchor"], rows["depth"], np.zeros_like(ref))
+        for a in (rows["input_ids"], rows["aux_hidden"], rows["anchor"], rows["depth"], np.zeros_like(rows["anchor"]))
     ]
 
 

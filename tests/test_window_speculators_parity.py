@@ -37,8 +37,7 @@ def test_speculators_applies_our_window_the_same_way(tmp_path, monkeypatch):
     theirs, _ = speculators_logits(out, aux, input_ids, monkeypatch)
 
     def ours(d):
-        ref = ANCHOR + DEPTH
-        rows = (input_ids[ref], aux[ref], ANCHOR, DEPTH, DOC_IDS[ANCHOR])
+        rows = (input_ids, aux, ANCHOR, DEPTH, DOC_IDS[ANCHOR])
         return np.asarray(cod_rows_forward(d.model, *(jnp.asarray(x)[None] for x in rows))[0])
 
     windowed = ours(drafter)

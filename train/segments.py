@@ -195,10 +195,10 @@ def segmented_loss(
 
     def parallel(model, s, idx, pre0, kv0):
         a, d, c, valid, own0, owned0 = rows_of(s, idx)
-        g = jnp.broadcast_to(model.mask_g(), (bsz, r, model.config.hidden_size))
-        tok = jnp.full((bsz, r), model.config.mask_token_id, row_tok.dtype)
         positions = jnp.where(c >= 0, a + d, -1)
-        res = model(tok, g, positions, None, spec_over_context((a, d, c), (a, d, c)), backend, context=kv0)
+        spec = spec_over_context((a, d, c), (a, d, c))
+        every_row_the_slot = jnp.full((bsz, r), -1, jnp.int32)  # deeper rows: the mask slot's inputs
+        res = model(None, None, positions, None, spec, backend, context=kv0, source=every_row_the_slot)
         owned = jnp.concatenate([jnp.broadcast_to(owned0, (bsz, c0)), valid], axis=1)
         la = jnp.concatenate([jnp.broadcast_to(own0, (bsz, c0)), a], axis=1)
         ld = jnp.concatenate([jnp.zeros((bsz, c0), d.dtype), d], axis=1)

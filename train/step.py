@@ -153,9 +153,7 @@ def loss_and_metrics(
     top_t = jnp.argmax(logp_t, axis=-1)  # the teacher's top token, once per position (rows gather it)
     sup = take_rows(batch["sup"], ref) & (doc >= 0)
     if mode == "parallel":
-        logits = cod_rows_forward(
-            model, take_rows(row_tok, ref), take_rows(aux, ref), anchor, depth, doc, mask=attention, chain_depth=k - 1
-        )
+        logits = cod_rows_forward(model, row_tok, aux, anchor, depth, doc, mask=attention, chain_depth=k - 1)
         top = take_rows(top_t, ref)
         out = draft_loss(
             logits, logp_t, sup, depth, num_depths=k, per_depth=per_depth, teacher_top=top, teacher_rows=ref

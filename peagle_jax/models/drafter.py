@@ -35,7 +35,7 @@ from flax import nnx
 import kernels
 from peagle_jax.config import NUM_AUX, DrafterConfig
 from peagle_jax.dtypes import numpy_dtype
-from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, pick_rows
 
 
 # ---------------------------------------------------------------------------------------
@@ -86,16 +86,46 @@ class DrafterLayer(nnx.Module):
         self.post_attention_layernorm = norm()
         self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache=None, spec=None, backend="dense", embeds=None, context=None):
-        if self.fused:
-            hn = self.hidden_norm(x)
-            residual = hn if self.norm_before_residual else x
-            z = jnp.concatenate([self.input_layernorm(embeds).astype(hn.dtype), hn], axis=-1)
-        else:
+    def __call__(
+        self, x, positions, kv_cache=None, spec=None, backend="dense", embeds=None, context=None, source=None, slot=None
+    ):
+        """Layer 0 with `source` (see `DrafterModel.__call__`): x and embeds are per position,
+        `slot` = (embed, g) [1, 1, H] of the mask slot; each row picks its residual and its q, k, v
+        (before RoPE) from its position's or the slot's, so they are computed once per input."""
+        if not self.fused:
             residual, z = x, self.input_layernorm(x)
-        attn, kv_cache = self.self_attn(z, positions, kv_cache, spec, backend, context)
+            attn, kv_cache = self.self_attn(z, positions, kv_cache, spec, backend, context)
+        else:
+            residual, heads = (None, None) if x is None else self.fused_inputs(embeds, x)
+            if source is not None:
+                residual, heads = pick_inputs(residual, heads, *self.fused_inputs(*slot), source)
+            attn, kv_cache = self.self_attn.attend(heads, positions, kv_cache, spec, backend, context)
         x = residual + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
+
+    def fused_inputs(self, embeds, g):
+        """Layer 0's residual and (q, k, v) before RoPE, from concat(input_layernorm(embeds), hidden_norm(g))."""
+        hn = self.hidden_norm(g)
+        residual = hn if self.norm_before_residual else g
+        z = jnp.concatenate([self.input_layernorm(embeds).astype(hn.dtype), hn], axis=-1)
+        return residual, self.self_attn.heads(z)
+
+
+def pick_inputs(residual, heads, slot_residual, slot_heads, source):
+    """(residual, (q, k, v)) per row from per-position ones (None: no positions) and the slot's
+    (`layers.pick_rows`), the four picked as one [B, L, H + (Hq + 2 Hkv) D] array."""
+    slot_parts = (slot_residual, *slot_heads)
+    dtype = slot_heads[0].dtype
+    widths = [int(np.prod(p.shape[2:])) for p in slot_parts]
+    slot = jnp.concatenate([p.reshape(-1).astype(dtype) for p in slot_parts])
+    if residual is None:
+        per_position = jnp.zeros((source.shape[0], 0, slot.shape[0]), dtype)
+    else:
+        parts = (residual, *heads)
+        per_position = jnp.concatenate([p.reshape(*p.shape[:2], w).astype(dtype) for p, w in zip(parts, widths)], -1)
+    rows = jnp.split(pick_rows(per_position, slot, source), np.cumsum(widths)[:-1], axis=-1)
+    out = [r.reshape(*source.shape, *p.shape[2:]).astype(p.dtype) for r, p in zip(rows, slot_parts)]
+    return out[0], tuple(out[1:])
 
 
 class DrafterModel(nnx.Module):
@@ -177,6 +207,7 @@ class DrafterModel(nnx.Module):
         spec: kernels.AttentionSpec | None = None,
         backend: str = "dense",
         context: tuple | None = None,
+        source: jax.Array | None = None,
     ) -> DrafterOutput:
         """tokens [B, T] int, g [B, T, H], positions [B, T] (-1 = padding slot).
 
@@ -189,9 +220,19 @@ class DrafterModel(nnx.Module):
         output), attended before this call's rows, with `spec`'s key metadata over S + T rows: a
         chain of calls computes each row once (training-time test, shared depth-0 rows); the
         output's `cache` is then this call's (k, v) per layer.
+        `source` [B, T] int (mode parallel): row i's inputs are tokens / g [B, L] at index
+        source[i], or the mask slot's (mask_token_id, mask_g()) where source[i] < 0; tokens and g
+        may be None (every row is the slot). Layer 0 then computes its q, k, v once per position
+        and once for the slot instead of once per row (COD rows: a depth-0 row reads its position,
+        every deeper row the slot).
         """
-        embeds = self.embed_tokens(tokens)
-        x = g.astype(embeds.dtype)
+        embeds = x = slot = None
+        if tokens is not None:
+            embeds = self.embed_tokens(tokens)
+            x = g.astype(embeds.dtype)
+        if source is not None:
+            embed = self.embed_tokens(jnp.full((1, 1), self.config.mask_token_id, jnp.int32))
+            slot = (embed, self.mask_g()[None, None].astype(embed.dtype))
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, kv = layer(
@@ -202,6 +243,8 @@ class DrafterModel(nnx.Module):
                 backend,
                 embeds=embeds if i == 0 else None,
                 context=None if context is None else context[i],
+                source=source if i == 0 else None,
+                slot=slot if i == 0 else None,
             )
             new_cache.append(kv)
         logits = self.head(x)
@@ -306,11 +349,12 @@ def cod_rows_forward(
 ) -> jax.Array:
     """Logits [B, N, Vd] over COD rows, no cache.
 
-    tokens [B, N]: the (already shifted) token at each row's reference position
-    ref = anchor + depth; aux [B, N, 3Ht]: the aux state at ref; anchor, depth, doc [B, N]
-    (doc -1 = padding row). Rows with depth > 0 read `mask_token_id` and `mask_hidden`
-    (selected before fc, so they pass through the same fc and norms); position id = ref;
-    attention = the P-EAGLE rule of `kernels.AttentionSpec.peagle(anchor, depth, doc)` (each
+    tokens [B, L]: the (already shifted) token of each position; aux [B, L, 3Ht]: the aux state
+    of each position; anchor, depth, doc [B, N] (doc -1 = padding row). A row of depth 0 reads
+    the inputs of its position `anchor`; rows with depth > 0 read `mask_token_id` and
+    `mask_g()` = fuse(mask_hidden) (fc and its norms run once per position and once for the
+    slot, and so do layer 0's q, k, v: `DrafterModel.__call__`'s `source`); position id =
+    ref = anchor + depth; attention = the P-EAGLE rule of `kernels.AttentionSpec.peagle(anchor, depth, doc)` (each
     sliding layer with its window, counted from the reference position); `mask`
     "dense" (or None) builds it as one [B, N, N] mask (short rows, tests); "kernels" computes it
     block by block from the row metadata (`kernels.attention`, backend auto: memory linear in N,
@@ -320,15 +364,14 @@ def cod_rows_forward(
     cfg = model.config
     if cfg.mask_token_id is None:
         raise ValueError("cod_rows_forward: the drafter has no mask_token_id (mode 'chain')")
-    real = depth == 0
-    tok = jnp.where(real, tokens, cfg.mask_token_id)
-    hidden = jnp.where(real[..., None], aux.astype(model.mask_hidden.dtype), model.mask_hidden[...][0])
+    source = jnp.where((depth == 0) & (doc >= 0), jnp.clip(anchor, 0, tokens.shape[1] - 1), -1)
     positions = jnp.where(doc >= 0, anchor + depth, -1)
     if mask not in (None, "dense", "kernels"):
         raise ValueError(f"cod_rows_forward: mask must be 'dense' or 'kernels', got {mask!r}")
     spec = kernels.AttentionSpec.peagle(anchor, depth, doc, chain_depth=chain_depth)
     backend = "auto" if mask == "kernels" else "dense"
-    return model(tok, model.fuse(hidden), positions, None, spec, backend).logits
+    g = model.fuse(aux.astype(model.mask_hidden.dtype))
+    return model(tokens, g, positions, None, spec, backend, source=source).logits
 
 
 # ---------------------------------------------------------------------------------------

@@ -74,12 +74,49 @@ def _scale_rows_fwd(y, w):
 
 def _scale_rows_bwd(res, g):
     y, w = res
-    gy = (g * y).reshape(-1, y.shape[-1])
-    dw = jnp.dot(jnp.ones((1, gy.shape[0]), gy.dtype), gy, preferred_element_type=jnp.float32)[0]
-    return (g * w).astype(y.dtype), dw.astype(w.dtype)
+    return (g * w).astype(y.dtype), column_sum(g * y).astype(w.dtype)
 
 
 scale_rows.defvjp(_scale_rows_fwd, _scale_rows_bwd)
+
+
+def column_sum(x: jax.Array) -> jax.Array:
+    """x [..., F] summed over every leading axis, as a [1, rows] x [rows, F] product (see scale_rows)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return jnp.dot(jnp.ones((1, rows.shape[0]), rows.dtype), rows, preferred_element_type=jnp.float32)[0]
+
+
+@jax.custom_vjp
+def pick_rows(per_position: jax.Array, slot: jax.Array, source: jax.Array) -> jax.Array:
+    """[B, T, F]: row i is per_position[b, source[b, i]] ([B, L, F]), or `slot` [F] where
+    source < 0. Its gradient: a scatter-add into the positions, and the slot's rows summed as
+    one product (a column sum inside the step ran far below its speed alone, see scale_rows)."""
+    return _pick(per_position, slot, source)
+
+
+def _pick(per_position, slot, source):
+    b, length, f = per_position.shape
+    if length == 0:  # no positions: every row is the slot
+        return jnp.broadcast_to(slot.astype(per_position.dtype), (*source.shape, f))
+    idx = jnp.clip(source, 0, length - 1)
+    rows = per_position[jnp.arange(b)[:, None], idx]
+    return jnp.where((source >= 0)[..., None], rows, slot.astype(per_position.dtype))
+
+
+def _pick_fwd(per_position, slot, source):
+    return _pick(per_position, slot, source), (per_position.shape, slot, source)
+
+
+def _pick_bwd(res, g):
+    (b, length, f), slot, source = res
+    real = (source >= 0)[..., None]
+    d_slot = column_sum(jnp.where(real, 0, g)).astype(slot.dtype)
+    idx = jnp.where(source >= 0, source, length)  # slot rows scatter past the end: dropped
+    d_pos = jnp.zeros((b, length, f), g.dtype).at[jnp.arange(b)[:, None], idx].add(g, mode="drop")
+    return d_pos, d_slot, None
+
+
+pick_rows.defvjp(_pick_fwd, _pick_bwd)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
@@ -155,14 +192,19 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope, self.scale, self.softcap, self.window = rope, scale, softcap, window
 
-    def project(self, x: jax.Array, positions: jax.Array):
-        """q [B, T, Hq, D] and k, v [B, T, Hkv, D], normed and rotated."""
+    def heads(self, x: jax.Array):
+        """q [B, T, Hq, D] and k, v [B, T, Hkv, D] before RoPE: projected, q and k normed."""
         b, t, _ = x.shape
         q = self.q_proj(x).reshape(b, t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def project(self, x: jax.Array, positions: jax.Array):
+        """q [B, T, Hq, D] and k, v [B, T, Hkv, D], normed and rotated."""
+        q, k, v = self.heads(x)
         return apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope), v
 
     def __call__(
@@ -174,7 +216,20 @@ class Attention(nnx.Module):
         backend: str = "dense",
         context: tuple[jax.Array, jax.Array] | None = None,
     ):
-        """Returns (output [B, T, out], new (k, v) cache or None; with `context`, this call's (k, v)).
+        """`attend(heads(x), ...)`."""
+        return self.attend(self.heads(x), positions, kv_cache, spec, backend, context)
+
+    def attend(
+        self,
+        heads: tuple[jax.Array, jax.Array, jax.Array],
+        positions: jax.Array,
+        kv_cache: tuple[jax.Array, jax.Array] | None = None,
+        spec: AttentionSpec | None = None,
+        backend: str = "dense",
+        context: tuple[jax.Array, jax.Array] | None = None,
+    ):
+        """Attention of the rows whose `heads` (q, k, v before RoPE) are given. Returns (output
+        [B, T, out], new (k, v) cache or None; with `context`, this call's (k, v)).
 
         Without a cache the keys are this call's tokens; with one, the new keys are written
         at their positions first and the queries read the whole cache (index = position).
@@ -186,7 +241,8 @@ class Attention(nnx.Module):
         layer's window. Over a cache with the positional rule, `kernels.decode` reads only the
         filled blocks (CACHE_ATTENTION).
         """
-        q, k, v = self.project(x, positions)
+        q, k, v = heads
+        q, k = apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope)
         if context is not None:
             if kv_cache is not None or spec is None:
                 raise ValueError("Attention: context keys need a spec and no cache")
@@ -213,7 +269,7 @@ class Attention(nnx.Module):
                 )
             spec = dataclasses.replace(spec, scale=self.scale, softcap=self.softcap, sliding_window=self.window)
             out = kernels.attention(q, keys, values, spec, sinks=sinks, backend=backend)
-        b, t = x.shape[:2]
+        b, t = q.shape[:2]
         new_cache = (k, v) if context is not None else None if kv_cache is None else (keys, values)
         return self.o_proj(out.reshape(b, t, -1)), new_cache
 

@@ -85,6 +85,14 @@ def dscores(cfg: KernelConfig, p, dp, delta, t):
     return ds
 
 
+def rowdot(a, b):
+    """[B, Hq, Tq] f32 = sum_d a * b of two [B, Tq, Hq, D] arrays. Computed as "bth" and then moved:
+    XLA's CPU backend ran the "bht" einsum and a plain multiply-sum as a reduce 25x slower
+    (72 vs 2.7 ms at [1, 6656, 4, 256])."""
+    out = jnp.einsum("bthd,bthd->bth", a.astype(jnp.float32), b.astype(jnp.float32))
+    return jnp.moveaxis(out, 2, 1)
+
+
 def safe_lse(lse):
     return jnp.where(jnp.isfinite(lse), lse, 0.0)
 
@@ -109,7 +117,7 @@ def make_op(fwd_impl, bwd_impl):
     def op_bwd(cfg, res, cts):
         q, k, v, sinks, meta, sched, out, lse = res
         do, dlse = cts
-        delta = jnp.einsum("bthd,bthd->bht", do.astype(jnp.float32), out.astype(jnp.float32))
+        delta = rowdot(do, out)
         delta = delta - dlse.astype(jnp.float32)
         dq, dk, dv = bwd_impl(cfg, q, k, v, sinks, meta, sched, do, lse, delta)
         dsinks = None

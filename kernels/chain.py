@@ -84,6 +84,7 @@ def merge(out1, lse1, out2, lse2):
     e1, e2 = jnp.exp(lse1 - m), jnp.exp(lse2 - m)  # -inf -> 0
     tot = e1 + e2
     safe = jnp.where(tot > 0, tot, 1.0)
-    w1, w2 = (jnp.moveaxis(e / safe, 1, 2)[..., None] for e in (e1, e2))
-    out = out1.astype(jnp.float32) * w1 + out2 * w2
+    w1, w2 = (jnp.moveaxis(e / safe, 1, 2) for e in (e1, e2))
+    # as einsums: their gradients with respect to the weights then are einsums too (`_common.rowdot`)
+    out = jnp.einsum("bthd,bth->bthd", out1.astype(jnp.float32), w1) + jnp.einsum("bthd,bth->bthd", out2, w2)
     return out, jnp.where(tot > 0, m + jnp.log(safe), -jnp.inf)

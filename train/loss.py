@@ -107,8 +107,11 @@ def _kl_rows(z, p, neg_entropy, mass):
 def _kl_rows_fwd(z, p, neg_entropy, mass):
     zf = z.astype(jnp.float32)
     lse = jax.nn.logsumexp(zf, axis=-1)
-    # (the where keeps XLA from rewriting the product-sum as [1, Vd] x [Vd, 1] dots, 10x slower on CPU)
-    kl = neg_entropy - jnp.sum(jnp.where(p > 0, p * zf, 0.0), axis=-1) + lse * mass
+    # over [rows, Vd]: with a leading batch axis XLA's CPU backend rewrote the product-sum as
+    # [1, Vd] x [Vd, 1] dots, 30x slower (1.5 s vs 51 ms at [1, 6656, 16384])
+    flat = zf.shape[-1]
+    cross = jnp.sum(p.reshape(-1, flat) * zf.reshape(-1, flat), axis=-1).reshape(lse.shape)
+    kl = neg_entropy - cross + lse * mass
     return kl, (z, p, lse, mass)
 
 

@@ -49,6 +49,9 @@ def _available_gb() -> float:
 
 def child(length: int, segments: int, steps: int, out: str) -> None:
     """One configuration: build, one (or two) steps, write the numbers to `out`."""
+    from peagle_jax.host import reuse_freed_memory
+
+    reuse_freed_memory()  # as `python -m train` does
     import jax
     import numpy as np
 

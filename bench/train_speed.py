@@ -417,6 +417,11 @@ def main(argv=None) -> int:
         choices=("auto", "dense", "kernels"),
         help="ours: model.attention (trainer default auto)",
     )
+    ap.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's allocator as it is (default: peagle_jax.host.reuse_freed_memory, as the trainer)",
+    )
     ap.add_argument("--small", action="store_true", help="a tiny random target instead of Gemma-3-270M (tests)")
     ap.add_argument("--json", default="bench/results/train_speed.json")
     a = ap.parse_args(argv)
@@ -432,6 +437,10 @@ def main(argv=None) -> int:
         if "jax" in sys.modules or "torch" in sys.modules:
             ap.error("--threads below the available cores needs a fresh process (jax/torch already imported)")
         os.sched_setaffinity(0, cpus[: a.threads])
+    if not a.default_malloc:  # both sides, as `python -m train` does (peagle_jax.host)
+        from peagle_jax.host import reuse_freed_memory
+
+        a.reuse_freed_memory = reuse_freed_memory()
 
     load_start = os.getloadavg()
     results = []
@@ -474,6 +483,7 @@ def main(argv=None) -> int:
         "attention_ours": a.attention,
         "commit": commit(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "reuse_freed_memory": getattr(a, "reuse_freed_memory", False),
         "load_avg_start": load_start,
         "load_avg_end": os.getloadavg(),
     }

@@ -231,7 +231,10 @@ class DrafterModel(nnx.Module):
             embeds = self.embed_tokens(tokens)
             x = g.astype(embeds.dtype)
         if source is not None:
-            embed = self.embed_tokens(jnp.full((1, 1), self.config.mask_token_id, jnp.int32))
+            # a static row, not a gather of a constant index: sharded (tensor x fsdp) XLA gave that
+            # gather's gradient wrong (tests/test_train_mesh.py, mesh 1 x 4 x 2: the mask token's row)
+            table = self.embed_tokens.embedding[...]
+            embed = table[self.config.mask_token_id][None, None].astype(self.embed_tokens.dtype or table.dtype)
             slot = (embed, self.mask_g()[None, None].astype(embed.dtype))
         new_cache = []
         for i, layer in enumerate(self.layers):
@@ -354,8 +357,9 @@ def cod_rows_forward(
     the inputs of its position `anchor`; rows with depth > 0 read `mask_token_id` and
     `mask_g()` = fuse(mask_hidden) (fc and its norms run once per position and once for the
     slot, and so do layer 0's q, k, v: `DrafterModel.__call__`'s `source`); position id =
-    ref = anchor + depth; attention = the P-EAGLE rule of `kernels.AttentionSpec.peagle(anchor, depth, doc)` (each
-    sliding layer with its window, counted from the reference position); `mask`
+    ref = anchor + depth; attention = the P-EAGLE rule of
+    `kernels.AttentionSpec.peagle(anchor, depth, doc)` (each sliding layer with its window,
+    counted from the reference position); `mask`
     "dense" (or None) builds it as one [B, N, N] mask (short rows, tests); "kernels" computes it
     block by block from the row metadata (`kernels.attention`, backend auto: memory linear in N,
     the path for long sequences); `chain_depth`: `kernels.AttentionSpec.chain_depth` (K - 1 for

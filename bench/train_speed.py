@@ -437,10 +437,9 @@ def main(argv=None) -> int:
         if "jax" in sys.modules or "torch" in sys.modules:
             ap.error("--threads below the available cores needs a fresh process (jax/torch already imported)")
         os.sched_setaffinity(0, cpus[: a.threads])
-    if not a.default_malloc:  # both sides, as `python -m train` does (peagle_jax.host)
-        from peagle_jax.host import reuse_freed_memory
+    from peagle_jax.host import reuse_freed_memory
 
-        a.reuse_freed_memory = reuse_freed_memory()
+    reused = not a.default_malloc and reuse_freed_memory()  # both sides, as `python -m train` does
 
     load_start = os.getloadavg()
     results = []
@@ -483,7 +482,7 @@ def main(argv=None) -> int:
         "attention_ours": a.attention,
         "commit": commit(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "reuse_freed_memory": getattr(a, "reuse_freed_memory", False),
+        "reuse_freed_memory": reused,
         "load_avg_start": load_start,
         "load_avg_end": os.getloadavg(),
     }

@@ -27,12 +27,9 @@ def reuse_freed_memory() -> bool:
     JAX starts its threads (first thing in a CLI): a thread that holds its own arena keeps it."""
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        return False
-    if mallopt is None:
-        return False
-    return all(
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):  # not glibc
+        mallopt = None
+    return mallopt is not None and all(
         mallopt(param, value) == 1 for param, value in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1))
     )

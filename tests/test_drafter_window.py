@@ -26,6 +26,7 @@ from peagle_jax import speculative as sp
 from peagle_jax.config import ConfigError, DrafterConfig
 from peagle_jax.drafter import Drafter
 from peagle_jax.models.drafter import abstract_drafter, cod_rows_forward, flat_state
+from peagle_jax.models.layers import apply_rope
 
 V, VD, H, K = 64, 40, 32, 4
 SLIDING = ("sliding_attention", "full_attention")
@@ -111,7 +112,8 @@ def reference_prenorm(model, tokens, g, positions, masks):
             z = jnp.concatenate([layer.input_layernorm(embeds), hn], axis=-1)
         else:
             residual, z = x, layer.input_layernorm(x)
-        q, k, v = layer.self_attn.project(z, positions)
+        q, k, v = layer.self_attn.heads(z)
+        q, k = (apply_rope(h, positions, layer.self_attn.rope) for h in (q, k))
         att = masked_attention(q, k, v, masks[i], model.config.attn_scale)
         x = residual + layer.self_attn.o_proj(att.reshape(*att.shape[:2], -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -202,11 +202,6 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
-    def project(self, x: jax.Array, positions: jax.Array):
-        """q [B, T, Hq, D] and k, v [B, T, Hkv, D], normed and rotated."""
-        q, k, v = self.heads(x)
-        return apply_rope(q, positions, self.rope), apply_rope(k, positions, self.rope), v
-
     def __call__(
         self,
         x: jax.Array,

@@ -2,6 +2,11 @@
 
 import hf_tiny
 import pytest
+import xla_env
+
+
+def pytest_configure(config):
+    xla_env.use_test_flags()
 
 
 @pytest.fixture(scope="module")

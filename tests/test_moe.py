@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 
 import hf_tiny
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import xla_env
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
@@ -381,7 +381,7 @@ def test_expert_parallel_engine_equals_single_device(loaded):
     import sys
 
     folder, _, _ = loaded("gpt_oss")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = xla_env.simulated_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", SHARDED, str(folder)], env=env, capture_output=True, text=True, timeout=600
     )

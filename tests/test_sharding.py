@@ -4,12 +4,12 @@ same tokens as on one device (plain greedy decoding there: the engine is lossles
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import hf_tiny
+import xla_env
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_sharded_engine_equals_single_device(tmp_path):
     hf_tiny.build("llama-gqa2-tied-llama3", tmp_path / "t")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = xla_env.simulated_devices(8)
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(tmp_path / "t")], env=env, capture_output=True, text=True, timeout=600
     )

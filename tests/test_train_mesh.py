@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import train_runs
+import xla_env
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2)]
@@ -60,12 +61,7 @@ def eight_devices(tmp_path_factory, meshes):
     """(root of the runs, the one-device reference OUT, the script's report)."""
     target, ref = train_runs.reference(str(tmp_path_factory.getbasetemp() / "train-reference"))
     root = tmp_path_factory.mktemp("meshes")
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
-    }
+    env = {**xla_env.simulated_devices(8), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(target), str(root), json.dumps(meshes)],
         env=env,

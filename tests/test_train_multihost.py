@@ -6,7 +6,6 @@ evaluates, and a process killed mid-run makes the other exit with an error inste
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import train_runs
+import xla_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,12 +28,7 @@ def free_port() -> int:
 def launch(target, out, port: int, extra=(), env_of=lambda i: {}) -> list[subprocess.Popen]:
     procs = []
     for i in range(2):
-        env = {
-            **os.environ,
-            "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-            "JAX_PLATFORMS": "cpu",
-            **env_of(i),
-        }
+        env = {**xla_env.simulated_devices(4), **env_of(i)}
         argv = train_runs.flags(target, out, (2, 2, 2)) + [
             "--dist.coordinator",
             f"localhost:{port}",

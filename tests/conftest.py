@@ -6,7 +6,11 @@ import xla_env
 
 
 def pytest_configure(config):
-    xla_env.use_test_flags()
+    xla_env.configure()
+
+
+def pytest_unconfigure(config):
+    xla_env.remove_cache()
 
 
 @pytest.fixture(scope="module")

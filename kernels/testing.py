@@ -174,6 +174,19 @@ CASE_COD_BF16 = Case(
     softcap=20.0,
     seed=3,
 )
+# several KV heads, each with several query heads (the released Llama heads' 32 / 8): a mix-up of
+# the KV-head and group axes shows only here (the cases above have one KV head or no grouping)
+CASE_COD_GROUPED = Case(
+    "cod_hkv2_gqa2_d32_f32_sinks",
+    "float32",
+    hq=4,
+    hkv=2,
+    d=32,
+    layouts=((40, 4, 0.7, 2, None), (30, 6, 0.6, 1, 0.8)),
+    pad_extra=5,
+    sinks=True,
+    seed=7,
+)
 CASE_CAUSAL = Case("causal_mha_d64_f32_cross", "float32", hq=2, hkv=2, d=64, causal=(40, 100, 2, (40, 10)), seed=5)
 # TPU blocks are multiples of 128: longer rows so that there are several blocks
 CASE_COD_F32_LONG = Case(

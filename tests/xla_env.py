@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
@@ -22,8 +21,9 @@ _created: list[str] = []
 
 
 def configure() -> None:
-    """Before JAX starts its backend (subprocesses inherit the environment): the test flags and,
-    unless one is set already (the xdist controller sets it for its workers), a fresh cache."""
+    """The test flags and, unless one is set already (the xdist controller sets it for its
+    workers), a fresh cache. Through the environment: JAX reads it at import, after conftest
+    runs (nothing it imports loads JAX), and subprocesses inherit it."""
     flags = os.environ.get("XLA_FLAGS", "")
     if TEST_XLA_FLAGS not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {TEST_XLA_FLAGS}".strip()
@@ -31,11 +31,6 @@ def configure() -> None:
         _created.append(tempfile.mkdtemp(prefix="peagle-jax-test-compile-cache-"))
         os.environ["JAX_COMPILATION_CACHE_DIR"] = _created[-1]
         os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = CACHE_MIN_COMPILE_SECONDS
-    if "jax" in sys.modules:  # imported before the environment was set: tell it directly
-        import jax
-
-        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", float(CACHE_MIN_COMPILE_SECONDS))
 
 
 def remove_cache() -> None:

@@ -14,7 +14,7 @@ the child's RSS just before the first attention call, after jax is imported and 
 inputs exist), and the fraction of (query block, KV block) pairs the schedule skips.
 Tiny heads (Hq=2, Hkv=1, D=32 by default) keep the big N within minutes on 2 cores.
 
-    python bench/kernels_bench.py [--n 1024 2048 4096 8192 16384] [--json out.json]
+    python bench/kernels_bench.py [--n 1024 2048 4096 8192 16384] [--block 128 --block-k 512] [--json out.json]
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def child(args):
     if args.path.startswith("blockwise"):
 
         def fwd(q, k, v, spec):
-            return attention(q, k, v, spec, backend="xla", block_q=args.block, block_k=args.block)
+            return attention(q, k, v, spec, backend="xla", block_q=args.block, block_k=args.block_k)
     else:
 
         def fwd(q, k, v, spec):
@@ -84,7 +84,7 @@ def child(args):
         times.append(time.perf_counter() - t0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     loop_spec = jax.jit(lambda s: chain.split(s)[0])(spec) if spec.chain_depth else spec
-    sched = jax.jit(make_schedule, static_argnums=(1, 2))(loop_spec, args.block, args.block)
+    sched = jax.jit(make_schedule, static_argnums=(1, 2))(loop_spec, args.block, args.block_k)
     print(
         json.dumps(
             dict(
@@ -96,6 +96,7 @@ def child(args):
                 hkv=args.hkv,
                 d=args.d,
                 block=args.block,
+                block_k=args.block_k,
                 first_call_s=first,
                 fwd_bwd_s=min(times),
                 base_rss_mb=base,
@@ -119,7 +120,8 @@ def main():
     p.add_argument("--hq", type=int, default=2)
     p.add_argument("--hkv", type=int, default=1)
     p.add_argument("--d", type=int, default=32)
-    p.add_argument("--block", type=int, default=256)
+    p.add_argument("--block", type=int, default=256, help="query block (and KV block unless --block-k)")
+    p.add_argument("--block-k", type=int, default=None, help="KV block (default: --block)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--dense-limit-gb", type=float, default=14.0)
     p.add_argument("--timeout", type=int, default=300)
@@ -128,6 +130,7 @@ def main():
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--path", default="blockwise", help=argparse.SUPPRESS)
     args = p.parse_args()
+    args.block_k = args.block_k or args.block
     if args.child:
         args.n = args.n[0]
         return child(args)
@@ -166,6 +169,8 @@ def main():
                 str(args.d),
                 "--block",
                 str(args.block),
+                "--block-k",
+                str(args.block_k),
                 "--repeats",
                 str(args.repeats),
             ]
@@ -185,6 +190,7 @@ def main():
     print()
     print(
         f"P-EAGLE COD attention, K={args.k}, Hq={args.hq}, Hkv={args.hkv}, D={args.d}, "
+        f"blocks {args.block} x {args.block_k}, "
         f"f32, CPU, forward+backward (jit, steady state)"
     )
     print("| N | rows | path | fwd+bwd s | peak RSS MB | (base MB) | blocks skipped |")

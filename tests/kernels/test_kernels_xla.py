@@ -18,6 +18,13 @@ def test_xla_matches_reference(case):
     kt.assert_backend_matches_reference(case, "xla", **BLOCKS)
 
 
+def test_xla_kv_blocks_wider_than_query_blocks():
+    """The default's shape (128 x 512, scaled down to 4 x 16): one KV block spans four query
+    blocks; these layouts then have both full tiles (the unmasked branch) and partial ones."""
+    for case in (kt.CASE_COD_F32, kt.CASE_COD_GROUPED):
+        kt.assert_backend_matches_reference(case, "xla", block_q=4, block_k=16)
+
+
 def test_xla_deterministic():
     kt.assert_deterministic(kt.CASE_COD_F32, "xla", **BLOCKS)
 

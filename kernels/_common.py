@@ -125,14 +125,14 @@ def make_op(fwd_impl, bwd_impl):
             # d lse / d sink = p_sink; d out / d sink = -p_sink * out  =>  -p_sink * delta
             p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
             dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
-        zeros_like_int = jax.tree_util.tree_map(_zero_cotangent, (meta, sched))
+        zeros_like_int = jax.tree_util.tree_map(zero_cotangent, (meta, sched))
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dsinks, *zeros_like_int)
 
     op.defvjp(op_fwd, op_bwd)
     return op
 
 
-def _zero_cotangent(x):
+def zero_cotangent(x):
     if jnp.issubdtype(jnp.result_type(x), jnp.inexact):
         return jnp.zeros_like(x)
     return np.zeros(jnp.shape(x), dtype=jax.dtypes.float0)

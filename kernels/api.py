@@ -99,8 +99,9 @@ def attention(
 
     if spec.chain_depth:
         block_spec, idx, found = _chain.split(spec)
+        block_spec, order, inverse = _chain.sort_queries(block_spec)
         out1, lse1 = attention(
-            q,
+            _chain.permute_rows(q, order, inverse),
             k,
             v,
             block_spec,
@@ -112,6 +113,8 @@ def attention(
             interpret=interpret,
             num_ranges=num_ranges,
         )
+        out1 = _chain.permute_rows(out1, inverse, order)
+        lse1 = jnp.moveaxis(_chain.permute_rows(jnp.moveaxis(lse1, 1, 2), inverse, order), 2, 1)
         scale = spec.resolved_scale(q.shape[-1])
         out2, lse2 = _chain.attention(q, k, v, idx, found, scale=scale, softcap=spec.softcap)
         out, lse = _chain.merge(out1, lse1, out2, lse2)

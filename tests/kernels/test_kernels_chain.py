@@ -7,6 +7,7 @@ the chain blocks."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import pytest
 import kernels
 from kernels import chain
 from kernels import testing as kt
-from kernels.layouts import cod_layout, pad_layout
+from kernels.layouts import cod_layout, cod_sample, pad_layout
 from kernels.schedule import build_schedule, pad_rows
 
 BLOCKS = dict(block_q=32, block_k=16)
@@ -86,3 +87,56 @@ def test_block_loop_skips_the_chain_blocks():
     full = kernels.AttentionSpec.peagle(a, d, c)
     block_spec, _, _ = chain.split(dataclasses.replace(full, chain_depth=7))
     assert visited(block_spec) * 2 <= visited(full)  # 46 of 98 block pairs at 512 tokens, K 8
+
+
+def test_sort_queries_orders_by_doc_anchor_depth_padding_last():
+    a, d, c = _layout(n=80, K=5, docs=3, seed=4)
+    rng = np.random.default_rng(1)
+    shuffle = rng.permutation(len(a))  # any layout: the order must come from the metadata alone
+    a, d, c = a[shuffle], d[shuffle], c[shuffle]
+    spec = kernels.AttentionSpec.peagle(a, d, c, chain_depth=4)
+    sorted_spec, order, inverse = chain.sort_queries(spec)
+    order, inverse = np.asarray(order[0]), np.asarray(inverse[0])
+    np.testing.assert_array_equal(np.sort(order), np.arange(len(a)))
+    np.testing.assert_array_equal(order[inverse], np.arange(len(a)))
+    real = c[order] >= 0
+    assert real[: real.sum()].all(), "padding rows go last"
+    keys = list(zip(c[order][real], a[order][real], d[order][real]))
+    assert keys == sorted(keys)
+    for got, want in zip(sorted_spec.q_meta, (a, d, c)):
+        np.testing.assert_array_equal(np.asarray(got[0]), want[order])
+    for got, want in zip(sorted_spec.kv_meta, (a, d, c)):  # the keys keep their layout
+        np.testing.assert_array_equal(np.asarray(got[0]), want)
+
+
+def test_permute_rows_and_its_gradient():
+    order = jnp.asarray(np.random.default_rng(0).permutation(37)[None], jnp.int32)
+    inverse = jnp.argsort(order, axis=-1).astype(jnp.int32)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((1, 37, 3, 8)), jnp.float32)
+    ct = jnp.asarray(np.random.default_rng(2).standard_normal((1, 37, 3, 8)), jnp.float32)
+    got, vjp = jax.vjp(lambda x: chain.permute_rows(x, order, inverse), x)
+    want, want_vjp = jax.vjp(lambda x: x[:, order[0]], x)
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(vjp(ct)[0], want_vjp(ct)[0])
+    np.testing.assert_array_equal(chain.permute_rows(got, inverse, order), x)
+
+
+def test_sorted_queries_visit_fewer_pairs():
+    # a trainer-like COD layout: 1024 positions, the first 10% unsupervised, K 8, retention
+    # 0.7^d down to 0.2; the block loop after the split, in the layout's and in sorted order
+    n = 1024
+    sup = np.arange(n) >= n // 10
+    a, d = cod_sample(sup, np.zeros(n, np.int32), 8, rng=0)
+    c = np.zeros_like(a)
+    spec = kernels.AttentionSpec.peagle(a, d, c, chain_depth=7)
+
+    def visited(spec, bq=32, bk=128):
+        meta = [
+            pad_rows(x, b, v) for x, b, v in zip((*spec.q_meta, *spec.kv_meta), (bq,) * 3 + (bk,) * 3, (0, 0, -1) * 2)
+        ]
+        return int(build_schedule(tuple(meta[:3]), tuple(meta[3:]), bq, bk, None, 16).fwd_count.sum()) * bq * bk
+
+    block_spec, _, _ = chain.split(spec)
+    sorted_spec, _, _ = chain.sort_queries(block_spec)
+    visible = int(np.sum(a + 1))
+    assert visible <= visited(sorted_spec) <= 0.95 * visited(block_spec)

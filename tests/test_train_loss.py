@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.loss import draft_loss, forward_kl, restrict_to_draft, take_rows, teacher_logits, top1_hit
+from train.loss import draft_loss, forward_kl, restrict_to_draft, take_rows, teacher_logits, top1_hit, top_index
 
 
 def test_teacher_equals_the_full_softmax_restricted_and_renormalised():
@@ -87,3 +87,18 @@ def test_forward_kl_and_its_gradient_equal_autodiff_of_the_definition():
         np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
         np.testing.assert_allclose(np.asarray(got_g), np.asarray(want_g), rtol=1e-4, atol=1e-6)
         assert float(jnp.max(jnp.abs(got_g))) > 1e-3  # a gradient that can be wrong
+
+
+def test_top_index_is_argmax_first_of_ties():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(2, 5, 1024)).astype(np.float32)
+    x[0, 0, [3, 700]] = 9.0  # ties in different chunks: the first
+    x[0, 1, [130, 131]] = 9.0  # ties in one chunk
+    x[0, 2, [1023, 5]] = 9.0
+    x[1, 0, :] = 1.0  # all equal
+    x[1, 1, [9, 600]] = -np.inf
+    x[1, 2, 300] = np.inf
+    for chunk in (128, 100, 2048):  # two levels, and the plain argmax when chunk does not divide
+        got = top_index(jnp.asarray(x), chunk=chunk)
+        np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), axis=-1))
+    assert top_index(jnp.asarray(x)).dtype == jnp.int32

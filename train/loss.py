@@ -27,6 +27,7 @@ __all__ = [
     "argmax_in_draft",
     "forward_kl",
     "top1_hit",
+    "top_index",
     "draft_loss",
     "acceptance_length",
     "take_rows",
@@ -125,6 +126,20 @@ def _kl_rows_bwd(res, g):
 _kl_rows.defvjp(_kl_rows_fwd, _kl_rows_bwd)
 
 
+def top_index(x: jax.Array, chunk: int = 128) -> jax.Array:
+    """[...] int32: the index of the largest entry along the last axis, the first of ties (what
+    `jnp.argmax` returns; with a NaN the index is unspecified, the loss is NaN then anyway). In two levels: the max of each `chunk` entries, the
+    first chunk holding the largest, the first largest in it. XLA's CPU backend runs argmax as
+    an index-tracking reduce at ~1/10 of a max's speed (137 vs 16 ms over [4096, 16384])."""
+    v = x.shape[-1]
+    if v % chunk or v <= chunk:
+        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+    blocks = x.reshape(x.shape[:-1] + (v // chunk, chunk))
+    first = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1).astype(jnp.int32)
+    inside = jnp.take_along_axis(blocks, first[..., None, None], axis=-2)[..., 0, :]
+    return first * chunk + jnp.argmax(inside, axis=-1).astype(jnp.int32)
+
+
 def top1_hit(draft_logits: jax.Array, teacher_top: jax.Array) -> jax.Array:
     """[...] bool: the teacher's top token (draft ids [...]) is a top token of the draft.
 
@@ -171,7 +186,7 @@ def draft_loss(
     axes = tuple(range(mask.ndim))
     total = jnp.sum(onehot, axis=axes)
     if teacher_top is None:
-        teacher_top = jnp.argmax(teacher, axis=-1)
+        teacher_top = top_index(teacher)
         teacher_top = teacher_top if teacher_rows is None else take_rows(teacher_top, teacher_rows)
     hit = top1_hit(draft_logits, teacher_top)
     correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=axes)

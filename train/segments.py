@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from train.loss import forward_kl, next_rows, take_rows, teacher_logits, top1_hit
+from train.loss import forward_kl, next_rows, take_rows, teacher_logits, top1_hit, top_index
 
 __all__ = ["attention_for", "segment_bounds", "row_segments", "resolve_segments", "segment_rows", "segmented_loss"]
 
@@ -191,7 +191,7 @@ def segmented_loss(
         teacher = jax.nn.log_softmax(teacher_logits(take_rows(y_next, ref), head_w, zeros, softcap=softcap), axis=-1)
         mask = (take_rows(batch["sup"], ref) & (lc >= 0) & owned).astype(jnp.float32)
         kl = forward_kl(logits, teacher) * mask
-        return kl, top1_hit(logits, jnp.argmax(teacher, -1)), mask
+        return kl, top1_hit(logits, top_index(teacher)), mask
 
     def parallel(model, s, idx, pre0, kv0):
         a, d, c, valid, own0, owned0 = rows_of(s, idx)

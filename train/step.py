@@ -33,7 +33,7 @@ from peagle_jax.dtypes import numpy_dtype
 from peagle_jax.models.drafter import DrafterModel, cod_rows_forward, flat_state
 from peagle_jax.sharding import role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
-from train.loss import draft_loss, next_rows, take_rows, teacher_logits
+from train.loss import draft_loss, next_rows, take_rows, teacher_logits, top_index
 from train.segments import attention_for, resolve_segments, segment_rows, segmented_loss
 
 __all__ = ["Parts", "split_params", "compute_parts", "make_optimizer", "features", "loss_and_metrics", "TrainStep"]
@@ -151,7 +151,7 @@ def loss_and_metrics(
     ref = jnp.clip(anchor + depth, 0, aux.shape[1] - 1)
     row_tok = next_rows(batch["tokens"])
     teacher = _teacher(y, head_w, softcap)
-    top_t = jnp.argmax(teacher, axis=-1)  # the teacher's top token, once per position (rows gather it)
+    top_t = top_index(teacher)  # the teacher's top token, once per position (rows gather it)
     sup = take_rows(batch["sup"], ref) & (doc >= 0)
     if mode == "parallel":
         logits = cod_rows_forward(model, row_tok, aux, anchor, depth, doc, mask=attention, chain_depth=k - 1)

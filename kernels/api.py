@@ -78,7 +78,8 @@ def attention(
     faster plain Pallas interpreter) or an ``InterpretParams``; ignored by xla/reference.
     ``num_ranges``: KV-block ranges kept per query block by the schedule (see
     `kernels.schedule`). ``spec.chain_depth`` > 0: the blockwise backends gather each query's
-    chain keys of depth 1..chain_depth outside the block loop (`kernels.chain`; same result). Differentiable in q, k, v (and sinks; also through lse).
+    chain keys of depth 1..chain_depth outside the block loop and run the loop on the queries
+    sorted by (doc, anchor, depth) (`kernels.chain`; same result). Differentiable in q, k, v (and sinks; also through lse).
     Fully masked rows give out 0 and lse -inf (the sink value with sinks). Rows need not be
     sorted; COD layouts sorted by (depth, anchor) make the block schedule tight. Sequences
     are padded to block multiples internally. The schedule is computed inside jit from

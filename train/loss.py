@@ -64,12 +64,14 @@ def restrict_to_draft(target_logits: jax.Array, d2t: jax.Array) -> jax.Array:
     return jnp.take(target_logits, ids, axis=-1)
 
 
-def teacher_logits(y: jax.Array, lm_head: jax.Array, d2t: jax.Array, *, softcap: float | None = None):
+def teacher_logits(y: jax.Array, lm_head: jax.Array, d2t: jax.Array | None, *, softcap: float | None = None):
     """Restricted teacher logits [..., Vd] (float32) from the target's final-norm output
     y [..., H] and its lm_head weight [V, H] (PyTorch layout; the tied embedding for tied
-    targets): only the draft-vocabulary rows are multiplied."""
-    ids = jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
-    w = jnp.take(lm_head, ids, axis=0)
+    targets): only the draft-vocabulary rows are multiplied. d2t None: lm_head holds those
+    rows already ([Vd, H], gathered once on the host: the trainer)."""
+    w = lm_head
+    if d2t is not None:
+        w = jnp.take(lm_head, jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32), axis=0)
     logits = jnp.einsum(
         "...h,vh->...v", y.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )

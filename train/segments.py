@@ -187,8 +187,7 @@ def segmented_loss(
         """KL and hits of loss rows from their pre-norm states (teacher per row, at ref)."""
         logits = model.head(pre)
         ref = jnp.clip(la + ld, 0, length - 1)
-        zeros = jnp.zeros((head_w.shape[0],), jnp.int32)
-        teacher = jax.nn.log_softmax(teacher_logits(take_rows(y_next, ref), head_w, zeros, softcap=softcap), axis=-1)
+        teacher = teacher_logits(take_rows(y_next, ref), head_w, None, softcap=softcap)  # forward_kl normalises
         mask = (take_rows(batch["sup"], ref) & (lc >= 0) & owned).astype(jnp.float32)
         kl = forward_kl(logits, teacher) * mask
         return kl, top1_hit(logits, top_index(teacher)), mask

@@ -124,8 +124,7 @@ def features(target_def, target_state, tokens, positions, aux_layer_ids):
 def _teacher(y, head_w, softcap):
     """Teacher logits [B, L, Vd] of row t = the target at t + 1 (`draft_loss` takes their
     log-softmax, once: a second one here cost ~1 s of a 4096-token step on CPU)."""
-    zeros = jnp.zeros((head_w.shape[0],), jnp.int32)
-    return teacher_logits(next_rows(y), head_w, zeros, softcap=softcap)
+    return teacher_logits(next_rows(y), head_w, None, softcap=softcap)
 
 
 def loss_and_metrics(

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from peagle_jax.models.drafter import draft_vocab_ids
+
 __all__ = [
     "LossOutput",
     "restrict_to_draft",
@@ -60,8 +62,7 @@ class LossOutput(NamedTuple):
 
 def restrict_to_draft(target_logits: jax.Array, d2t: jax.Array) -> jax.Array:
     """[..., V] target logits -> [..., Vd]: column i is target id i + d2t[i]."""
-    ids = jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32)
-    return jnp.take(target_logits, ids, axis=-1)
+    return jnp.take(target_logits, draft_vocab_ids(d2t), axis=-1)
 
 
 def teacher_logits(y: jax.Array, lm_head: jax.Array, d2t: jax.Array | None, *, softcap: float | None = None):
@@ -71,7 +72,7 @@ def teacher_logits(y: jax.Array, lm_head: jax.Array, d2t: jax.Array | None, *, s
     rows already ([Vd, H], gathered once on the host: the trainer)."""
     w = lm_head
     if d2t is not None:
-        w = jnp.take(lm_head, jnp.arange(d2t.shape[0], dtype=jnp.int32) + d2t.astype(jnp.int32), axis=0)
+        w = jnp.take(lm_head, draft_vocab_ids(d2t), axis=0)
     logits = jnp.einsum(
         "...h,vh->...v", y.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
     )
@@ -130,9 +131,11 @@ _kl_rows.defvjp(_kl_rows_fwd, _kl_rows_bwd)
 
 def top_index(x: jax.Array, chunk: int = 128) -> jax.Array:
     """[...] int32: the index of the largest entry along the last axis, the first of ties (what
-    `jnp.argmax` returns; with a NaN the index is unspecified, the loss is NaN then anyway). In two levels: the max of each `chunk` entries, the
-    first chunk holding the largest, the first largest in it. XLA's CPU backend runs argmax as
-    an index-tracking reduce at ~1/10 of a max's speed (137 vs 16 ms over [4096, 16384])."""
+    `jnp.argmax` returns; with a NaN the index is unspecified: the loss is NaN then anyway).
+
+    In two levels: the max of each `chunk` entries, the first chunk holding the largest, the
+    first largest in it. XLA's CPU backend runs argmax as an index-tracking reduce at ~1/10 of a
+    max's speed (137 vs 16 ms over [4096, 16384])."""
     v = x.shape[-1]
     if v % chunk or v <= chunk:
         return jnp.argmax(x, axis=-1).astype(jnp.int32)

@@ -6,7 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from train.loss import draft_loss, forward_kl, restrict_to_draft, take_rows, teacher_logits, top1_hit, top_index
+from train.loss import (
+    draft_loss,
+    forward_kl,
+    fused_draft_loss,
+    restrict_to_draft,
+    take_rows,
+    teacher_logits,
+    top1_hit,
+    top_index,
+)
 
 
 def test_teacher_equals_the_full_softmax_restricted_and_renormalised():
@@ -102,3 +111,63 @@ def test_top_index_is_argmax_first_of_ties():
         got = top_index(jnp.asarray(x), chunk=chunk)
         np.testing.assert_array_equal(got, jnp.argmax(jnp.asarray(x), axis=-1))
     assert top_index(jnp.asarray(x)).dtype == jnp.int32
+
+
+def test_fused_draft_loss_equals_draft_loss_on_the_logits_without_them():
+    """`fused_draft_loss` (the head's product inside the loss, a few rows at a time, the rows
+    without loss skipped) against `draft_loss` of the whole logits: loss, loss_sum, gradients of
+    the states and of the lm_head kernel, per-depth hits; every normalisation; row counts that
+    are no multiple of the chunk, sequences with different numbers of supervised rows (one with
+    none), a teacher with exact zeros."""
+    rng = np.random.default_rng(6)
+    b, n, h, vd, positions = 3, 301, 16, 70, 120
+    hn = jnp.asarray(rng.standard_normal((b, n, h)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((h, vd)), jnp.float32)
+    t = 3 * rng.standard_normal((b, positions, vd)).astype(np.float32)
+    t[1, :, :7] = -1e9  # p underflows to 0 on these ids
+    rows_np = rng.integers(0, positions, (b, n))
+    t[0, rows_np[0, :40]] = 5 * np.asarray(hn[0, :40] @ w)  # these rows' draft agrees with their teacher
+    t = jnp.asarray(t)
+    rows = jnp.asarray(rows_np, jnp.int32)
+    mask = rng.random((b, n)) < np.array([[0.9], [0.3], [0.0]])  # the last sequence: no loss at all
+    mask = jnp.asarray(mask)
+    depth = jnp.asarray(rng.integers(0, 4, (b, n)), jnp.int32)
+    row_weight = jnp.asarray(rng.random((b, n)), jnp.float32)
+    cases = [
+        dict(),
+        dict(per_depth=True),
+        dict(normalizer=jnp.float32(1000.0)),
+    ]
+    for kw in cases + [dict(row_weight=row_weight)]:
+
+        def old(hn, w, kw=kw):
+            kw = dict(kw)
+            rw = kw.pop("row_weight", None)
+            if rw is not None:  # draft_loss has no row weights: the same sum by hand
+                kl = forward_kl(hn @ w, t, rows)
+                out = draft_loss(hn @ w, t, mask, depth, num_depths=4, teacher_rows=rows)
+                return jnp.sum(kl * rw * mask), out
+            out = draft_loss(hn @ w, t, mask, depth, num_depths=4, teacher_rows=rows, **kw)
+            return out.loss, out
+
+        def new(hn, w, kw=kw):
+            out = fused_draft_loss(hn, w, t, mask, depth, num_depths=4, teacher_rows=rows, chunk=64, **kw)
+            return out.loss, out
+
+        (la, a), ga = jax.value_and_grad(old, argnums=(0, 1), has_aux=True)(hn, w)
+        (lb, f), gb = jax.jit(jax.value_and_grad(new, argnums=(0, 1), has_aux=True))(hn, w)
+        np.testing.assert_allclose(float(lb), float(la), rtol=1e-5)
+        np.testing.assert_allclose(float(f.loss_sum), float(a.loss_sum), rtol=1e-5)
+        for x, y in zip(gb, ga):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(y))))
+        np.testing.assert_array_equal(np.asarray(f.correct), np.asarray(a.correct))
+        np.testing.assert_array_equal(np.asarray(f.total), np.asarray(a.total))
+        # hits of the supervised rows; the others are never multiplied by the vocabulary
+        np.testing.assert_array_equal(np.asarray(f.hit), np.asarray(a.hit & mask))
+    assert int(np.asarray(a.hit & mask)[0].sum()) >= 25  # hits and misses both compared
+    # the kernel's gradient only when it is differentiated; evaluation (no gradient) the same loss
+    g_states = jax.jit(jax.grad(lambda hn: new(hn, w)[0]))(hn)
+    np.testing.assert_allclose(
+        np.asarray(g_states), np.asarray(gb[0]), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(gb[0])))
+    )
+    np.testing.assert_allclose(float(jax.jit(new)(hn, w)[0]), float(lb), rtol=1e-6)

@@ -15,6 +15,7 @@ makes a batch with no supervised row give loss 0).
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -27,7 +28,11 @@ __all__ = [
     "restrict_to_draft",
     "teacher_logits",
     "argmax_in_draft",
+    "TeacherDist",
+    "teacher_dist",
     "forward_kl",
+    "fused_kl",
+    "fused_draft_loss",
     "top1_hit",
     "top_index",
     "draft_loss",
@@ -84,6 +89,21 @@ def argmax_in_draft(target_logits: jax.Array, t2d: jax.Array) -> jax.Array:
     return t2d[jnp.argmax(target_logits, axis=-1)]
 
 
+class TeacherDist(NamedTuple):
+    """The teacher's distribution per position (no gradient): what the KL reads of it."""
+
+    p: jax.Array  # [..., Vd] float32 probabilities
+    neg_entropy: jax.Array  # [...] sum p log p
+    mass: jax.Array  # [...] sum p (1 up to rounding; the KL's lse term is weighted by it)
+
+
+def teacher_dist(teacher: jax.Array) -> TeacherDist:
+    """softmax of restricted teacher logits [..., Vd], with its sum p log p and mass."""
+    logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher).astype(jnp.float32), axis=-1)
+    p = jnp.exp(logp)
+    return TeacherDist(p, jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1), jnp.sum(p, axis=-1))
+
+
 def forward_kl(draft_logits: jax.Array, teacher: jax.Array, rows: jax.Array | None = None) -> jax.Array:
     """Per-row KL(softmax(teacher) || softmax(draft)) [...], float32.
 
@@ -92,10 +112,7 @@ def forward_kl(draft_logits: jax.Array, teacher: jax.Array, rows: jax.Array | No
     custom gradient, softmax(draft) - teacher, instead of autodiff through two log-softmaxes:
     fewer passes over the [rows, Vd] logits (draft-vocabulary work of the 2048-token step
     5.1 -> 4.6 thread-s, `bench/train_speed.py --profile`)."""
-    logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher).astype(jnp.float32), axis=-1)
-    p = jnp.exp(logp)
-    neg_entropy = jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1)  # per position: sum p log p
-    mass = jnp.sum(p, axis=-1)
+    p, neg_entropy, mass = teacher_dist(teacher)
     if rows is not None:  # one copy of whole teacher rows, read by the forward and the backward
         p = jax.lax.optimization_barrier(jax.vmap(lambda x, i: jnp.take(x, i, axis=0, mode="clip"))(p, rows))
         neg_entropy, mass = take_rows(neg_entropy, rows), take_rows(mass, rows)
@@ -205,6 +222,152 @@ def draft_loss(
         denom = rows if normalizer is None else jnp.asarray(normalizer, jnp.float32)
         loss = loss_sum / (denom + eps)
     return LossOutput(loss, loss_sum, rows, correct, total, hit)
+
+
+def fused_kl(hn, w, teacher: TeacherDist, rows, weights, top, *, chunk: int = 2048):
+    """(loss, kl, hit) of draft rows from the lm_head's inputs, the [rows, Vd] logits never whole.
+
+    hn [B, N, H], w [H, Vd] (`DrafterModel.head_inputs`); teacher: `teacher_dist` per position
+    [B, P, ...]; rows [B, N]: the teacher position of each row; weights [B, N] float32; top [B, N]:
+    the teacher's top draft token of each row. loss = sum_r weights_r KL_r (the only
+    differentiable output); kl [B, N] per row and hit [B, N] (`top1_hit`'s rule) are given for
+    the rows with a weight and are 0 / False elsewhere: rows without a weight (no loss: padding,
+    prompt tokens) are never multiplied by the vocabulary.
+
+    The rows with a weight are taken ~`chunk` at a time (N cut into equal pieces; a loop of as
+    many pieces as the fullest sequence's weighted rows fill; pieces of 512 rows made the
+    products ~15% slower than one [N, Vd] product on XLA CPU, ~2048 as fast), each piece's logits,
+    softmax and KL computed and dropped; under
+    differentiation the same pass also forms the chunk's gradient (the loss is linear in the
+    weighted KLs, so softmax(z) mass - p times the weights is all it needs) and only dh [B, N, H]
+    (and dW when w is differentiated) are kept for the backward."""
+    return _fused(chunk, hn, w, teacher.p, teacher.neg_entropy, teacher.mass, rows, weights, top)
+
+
+def _fused_pass(chunk, hn, w, p, neg_entropy, mass, rows, weights, top, want_dh: bool, want_dw: bool):
+    f32 = jnp.float32
+    b, n, h = hn.shape
+    vd = w.shape[-1]
+    pieces = max(1, -(-n // chunk))
+    chunk = max(8, -(-n // (8 * pieces)) * 8)  # equal pieces of ~chunk rows (multiples of 8): little padding
+    n_pad = pieces * chunk
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, n_pad - n)) + ((0, 0),) * (x.ndim - 2))  # noqa: E731
+    hn_, rows_, wt_, top_ = pad(hn), pad(rows), pad(weights.astype(f32)), pad(top)
+    active = wt_ != 0
+    order = jnp.argsort(~active, axis=1, stable=True).astype(jnp.int32)  # rows with a weight first
+    trips = (jnp.max(jnp.sum(active, axis=1)) + chunk - 1) // chunk
+    seq = jnp.arange(b)[:, None]
+    ref = rows_ + seq * p.shape[1]  # into the flattened [B * P] teacher
+    p2, ne1, mass1 = p.reshape(-1, vd), neg_entropy.reshape(-1), mass.reshape(-1)
+
+    def body(i, carry):
+        loss, kl_all, hit_all, dh, dw = carry
+        idx = jax.lax.dynamic_slice_in_dim(order, i * chunk, chunk, axis=1)  # [B, c]
+        # everything over [B * c] rows: with a leading batch axis XLA's CPU backend turns the
+        # product-sums into slow per-row dots (see `_kl_rows_fwd`)
+        hc = hn_[seq, idx].reshape(-1, h)
+        wc, rc = wt_[seq, idx].reshape(-1), ref[seq, idx].reshape(-1)
+        z = jnp.dot(hc, w, preferred_element_type=f32)  # [B * c, Vd]
+        m = jnp.max(z, axis=-1)
+        e = jnp.exp(z - m[:, None])
+        s = jnp.sum(e, axis=-1)
+        pc = jnp.take(p2, rc, axis=0)
+        kl = ne1[rc] - jnp.sum(pc * z, axis=-1) + (m + jnp.log(s)) * mass1[rc]
+        on = wc != 0
+        kl = jnp.where(on, kl, 0.0)
+        t = top_[seq, idx].reshape(-1)
+        hit = on & (jnp.take_along_axis(z, t[:, None].astype(jnp.int32), axis=-1)[:, 0] >= m)
+        loss = loss + jnp.sum(wc * kl)
+        kl_all = kl_all.at[seq, idx].set(kl.reshape(b, chunk))
+        hit_all = hit_all.at[seq, idx].set(hit.reshape(b, chunk))
+        if want_dh or want_dw:
+            dz = (wc * mass1[rc] / s)[:, None] * e - wc[:, None] * pc  # d loss / d z
+            if want_dh:
+                dhc = jnp.dot(dz.astype(w.dtype), w.T, preferred_element_type=f32).astype(dh.dtype)
+                dh = dh.at[seq, idx].set(dhc.reshape(b, chunk, h))
+            if want_dw:
+                dw = dw + jnp.dot(hc.T, dz.astype(hc.dtype), preferred_element_type=f32)
+        return loss, kl_all, hit_all, dh, dw
+
+    init = (
+        jnp.zeros((), f32),
+        jnp.zeros((b, n_pad), f32),
+        jnp.zeros((b, n_pad), bool),
+        jnp.zeros((b, n_pad, h), hn.dtype) if want_dh else None,
+        jnp.zeros((h, vd), f32) if want_dw else None,
+    )
+    loss, kl, hit, dh, dw = jax.lax.fori_loop(0, trips, body, init)
+    return loss, kl[:, :n], hit[:, :n], None if dh is None else dh[:, :n], dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fused(chunk, hn, w, p, neg_entropy, mass, rows, weights, top):
+    return _fused_pass(chunk, hn, w, p, neg_entropy, mass, rows, weights, top, False, False)[:3]
+
+
+def _fused_fwd(chunk, hn, w, p, neg_entropy, mass, rows, weights, top):
+    args = [x.value for x in (hn, w, p, neg_entropy, mass, rows, weights, top)]
+    loss, kl, hit, dh, dw = _fused_pass(chunk, *args, hn.perturbed, w.perturbed)
+    return (loss, kl, hit), (dh, None if dw is None else dw.astype(w.value.dtype))
+
+
+def _fused_bwd(chunk, res, g):
+    dh, dw = res
+    g_loss, g_kl, _ = g
+    if not isinstance(g_kl, jax.custom_derivatives.SymbolicZero):
+        raise ValueError("fused_kl: differentiate the loss (its first output), not the per-row kl")
+    if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
+        return (None,) * 8
+    dh = None if dh is None else (g_loss * dh).astype(dh.dtype)
+    dw = None if dw is None else (g_loss * dw).astype(dw.dtype)
+    return (dh, dw) + (None,) * 6
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+
+
+def fused_draft_loss(
+    hn: jax.Array,
+    w: jax.Array,
+    teacher: jax.Array,
+    row_mask: jax.Array,
+    depth: jax.Array | None = None,
+    *,
+    num_depths: int = 1,
+    per_depth: bool = False,
+    normalizer: jax.Array | float | None = None,
+    eps: float = 1e-5,
+    teacher_top: jax.Array | None = None,
+    teacher_rows: jax.Array | None = None,
+    row_weight: jax.Array | float | None = None,
+    chunk: int = 2048,
+) -> LossOutput:
+    """`draft_loss` of the rows whose logits are hn @ w (`DrafterModel.head_inputs`), through
+    `fused_kl`: the same loss and gradients without the [rows, Vd] logits, and no vocabulary
+    work for unsupervised rows: their `hit` is False (`draft_loss` gives every row's).
+    `row_weight` [B, N] or scalar: each supervised row's weight in the loss, in place of
+    `draft_loss`'s normalisations (the caller's: segments); `loss` = sum_r mask_r weight_r KL_r."""
+    mask = row_mask.astype(jnp.float32)
+    if depth is None:
+        depth = jnp.zeros(mask.shape, jnp.int32)
+    onehot = jax.nn.one_hot(depth, num_depths, dtype=jnp.float32) * mask[..., None]  # [B, N, K]
+    total = jnp.sum(onehot, axis=(0, 1))
+    rows = jnp.sum(mask)
+    if row_weight is not None:
+        weight = mask * row_weight
+    elif per_depth:  # the mean within each depth, then over the depths with rows (`draft_loss`)
+        present = (total > 0).astype(jnp.float32)
+        weight = mask * jnp.take(present / jnp.maximum(total, 1.0) / jnp.maximum(jnp.sum(present), 1.0), depth)
+    else:
+        denom = rows if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+        weight = mask / (denom + eps)
+    if teacher_rows is None:
+        teacher_rows = jnp.broadcast_to(jnp.arange(mask.shape[1], dtype=jnp.int32), mask.shape)
+    if teacher_top is None:
+        teacher_top = take_rows(top_index(teacher), teacher_rows)
+    loss, kl, hit = fused_kl(hn, w, teacher_dist(teacher), teacher_rows, weight, teacher_top, chunk=chunk)
+    correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=(0, 1))
+    return LossOutput(loss, jnp.sum(kl), rows, correct, total, hit)
 
 
 def acceptance_length(per_depth_acc) -> jax.Array:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from train.loss import forward_kl, next_rows, take_rows, teacher_logits, top1_hit, top_index
+from train.loss import fused_draft_loss, next_rows, take_rows, teacher_logits
 
 __all__ = ["attention_for", "segment_bounds", "row_segments", "resolve_segments", "segment_rows", "segmented_loss"]
 
@@ -183,14 +183,14 @@ def segmented_loss(
         kv = (cat([ctx, x]) for ctx, x in zip((ctx_a, ctx_d, ctx_c), rows))
         return kernels.AttentionSpec.make(*q, *kv, chain_depth=k - 1)
 
-    def row_loss(model, pre, la, ld, lc, owned):
-        """KL and hits of loss rows from their pre-norm states (teacher per row, at ref)."""
-        logits = model.head(pre)
+    def row_loss(model, pre, la, ld, lc, owned, weight):
+        """(sum of weight x KL, hits, mask) of loss rows from their pre-norm states (teacher per
+        row, at ref); weight: per row [B, R] or one for all."""
         ref = jnp.clip(la + ld, 0, length - 1)
-        teacher = teacher_logits(take_rows(y_next, ref), head_w, None, softcap=softcap)  # forward_kl normalises
-        mask = (take_rows(batch["sup"], ref) & (lc >= 0) & owned).astype(jnp.float32)
-        kl = forward_kl(logits, teacher) * mask
-        return kl, top1_hit(logits, top_index(teacher)), mask
+        teacher = teacher_logits(take_rows(y_next, ref), head_w, None, softcap=softcap)  # the loss normalises
+        mask = take_rows(batch["sup"], ref) & (lc >= 0) & owned
+        out = fused_draft_loss(*model.head_inputs(pre), teacher, mask, row_weight=weight)
+        return out.loss, out.hit, mask.astype(jnp.float32)
 
     def parallel(model, s, idx, pre0, kv0):
         a, d, c, valid, own0, owned0 = rows_of(s, idx)
@@ -203,12 +203,9 @@ def segmented_loss(
         ld = jnp.concatenate([jnp.zeros((bsz, c0), d.dtype), d], axis=1)
         lc = jnp.concatenate([take_rows(ctx_c, own0), c], axis=1)
         pre = jnp.concatenate([take_rows(pre0, own0), res.prenorm], axis=1)  # logits never built for all rows
-        kl, hit, mask = row_loss(model, pre, la, ld, lc, owned)
+        weight = jnp.take(depth_weight, ld) if per_depth else 1.0 / (rows_total + EPS)
+        loss, hit, mask = row_loss(model, pre, la, ld, lc, owned, weight)
         onehot = jax.nn.one_hot(ld, k, dtype=jnp.float32)
-        if per_depth:
-            loss = jnp.sum(jnp.sum(onehot * kl[..., None], axis=(0, 1)) * depth_weight)
-        else:
-            loss = jnp.sum(kl) / (rows_total + EPS)
         return loss, (onehot, hit, mask, owned, own0)
 
     def chain(model, s, idx, pre0, kv0):
@@ -216,10 +213,15 @@ def segmented_loss(
         width = r // (k - 1) if k > 1 else 0
         tok = take_rows(row_tok, jnp.clip(a + d, 0, length - 1))  # teacher-forced tokens at every step
         # step 0 is the depth-0 pass; its states at step 1's anchors feed step 1
-        kl, hit, mask = row_loss(
-            model, take_rows(pre0, own0), own0, jnp.zeros_like(own0), take_rows(ctx_c, own0), owned0
+        loss, hit, mask = row_loss(
+            model,
+            take_rows(pre0, own0),
+            own0,
+            jnp.zeros_like(own0),
+            take_rows(ctx_c, own0),
+            owned0,
+            1 / (counts[0] + EPS),
         )
-        loss = jnp.sum(kl) / (counts[0] + EPS)
         hits, masks, owns = [hit], [mask], [jnp.broadcast_to(owned0, (bsz, c0))]
         hidden = model.feedback(take_rows(pre0, jnp.clip(a[:, :width], 0, length - 1)))
         context = kv0
@@ -230,8 +232,8 @@ def segmented_loss(
             res = model(tok[:, lo:hi], hidden, jnp.where(cj >= 0, aj + dj, -1), None, spec, backend, context=context)
             context = model.extend_context(context, res.cache)
             own = valid[:, lo:hi]
-            kl, hit, mask = row_loss(model, res.prenorm, aj, dj, cj, own)
-            loss = loss + (chain_decay**j) * jnp.sum(kl) / (counts[j] + EPS)
+            lj, hit, mask = row_loss(model, res.prenorm, aj, dj, cj, own, chain_decay**j / (counts[j] + EPS))
+            loss = loss + lj
             hidden = model.feedback(res.prenorm)
             hits.append(hit), masks.append(mask), owns.append(own)
         onehot = jax.nn.one_hot(jnp.concatenate([jnp.zeros((bsz, c0), d.dtype), d], axis=1), k, dtype=jnp.float32)

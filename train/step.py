@@ -9,8 +9,9 @@ aux states (drafter inputs) and the final-norm states y; the teacher logits are 
 target's lm_head rows of the draft vocabulary only (gathered once on the host, [Vd, H]), one
 [L, Vd] product per sequence, then gathered per COD row by its reference position.
 
-Objectives: "parallel" = P-EAGLE COD rows through `cod_rows_forward(mask="kernels")` with the
-forward KL of `train.loss.draft_loss` (one global normalisation, or per depth); "chain" =
+Objectives: "parallel" = P-EAGLE COD rows through `cod_rows_states(mask="kernels")` with the
+forward KL of `train.loss.fused_draft_loss` (one global normalisation, or per depth; the head's
+product runs inside the loss, chunk by chunk, over the supervised rows only); "chain" =
 EAGLE-3 training-time test: step j feeds the head's own pre-norm states of step j-1 back as
 the hidden input of rows (anchor, j) (same P-EAGLE attention rule over the rows of steps
 <= j), loss = sum_j decay**j * KL_j / count_j (speculators' per-step weights).
@@ -30,10 +31,10 @@ from flax import nnx
 
 import kernels
 from peagle_jax.dtypes import numpy_dtype
-from peagle_jax.models.drafter import DrafterModel, cod_rows_forward, flat_state
+from peagle_jax.models.drafter import DrafterModel, cod_rows_states, flat_state
 from peagle_jax.sharding import role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
-from train.loss import draft_loss, next_rows, take_rows, teacher_logits, top_index
+from train.loss import fused_draft_loss, next_rows, take_rows, teacher_logits, top_index
 from train.segments import attention_for, resolve_segments, segment_rows, segmented_loss
 
 __all__ = ["Parts", "split_params", "compute_parts", "make_optimizer", "features", "loss_and_metrics", "TrainStep"]
@@ -122,7 +123,7 @@ def features(target_def, target_state, tokens, positions, aux_layer_ids):
 
 
 def _teacher(y, head_w, softcap):
-    """Teacher logits [B, L, Vd] of row t = the target at t + 1 (`draft_loss` takes their
+    """Teacher logits [B, L, Vd] of row t = the target at t + 1 (`fused_draft_loss` takes their
     log-softmax, once: a second one here cost ~1 s of a 4096-token step on CPU)."""
     return teacher_logits(next_rows(y), head_w, None, softcap=softcap)
 
@@ -153,10 +154,17 @@ def loss_and_metrics(
     top_t = top_index(teacher)  # the teacher's top token, once per position (rows gather it)
     sup = take_rows(batch["sup"], ref) & (doc >= 0)
     if mode == "parallel":
-        logits = cod_rows_forward(model, row_tok, aux, anchor, depth, doc, mask=attention, chain_depth=k - 1)
+        res = cod_rows_states(model, row_tok, aux, anchor, depth, doc, mask=attention, chain_depth=k - 1)
         top = take_rows(top_t, ref)
-        out = draft_loss(
-            logits, teacher, sup, depth, num_depths=k, per_depth=per_depth, teacher_top=top, teacher_rows=ref
+        out = fused_draft_loss(
+            *model.head_inputs(res.prenorm),
+            teacher,
+            sup,
+            depth,
+            num_depths=k,
+            per_depth=per_depth,
+            teacher_top=top,
+            teacher_rows=ref,
         )
         loss, hit, correct, total = out.loss, out.hit, out.correct, out.total
     else:
@@ -189,9 +197,13 @@ def loss_and_metrics(
                 context=context,
             )
             context = model.extend_context(context, res.cache)
-            logits = model.head(res.prenorm)
-            o = draft_loss(
-                logits, next_rows(teacher, j), sup[:, rows], None, num_depths=1, teacher_top=next_rows(top_t, j)
+            o = fused_draft_loss(
+                *model.head_inputs(res.prenorm),
+                next_rows(teacher, j),
+                sup[:, rows],
+                None,
+                num_depths=1,
+                teacher_top=next_rows(top_t, j),
             )
             loss = loss + (chain_decay**j) * o.loss
             hidden = model.feedback(res.prenorm)

@@ -180,6 +180,13 @@ class DrafterModel(nnx.Module):
         Callers that need a few rows gather them first (the [T, Vd] product dominates)."""
         return self.lm_head(self.norm(prenorm)).astype(jnp.float32)
 
+    def head_inputs(self, prenorm: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(norm(prenorm), lm_head kernel [H, Vd]), both in the head's compute dtype: what `head`
+        multiplies, for losses that run the product themselves, chunk by chunk
+        (`train.loss.fused_kl`: the [rows, Vd] logits never exist whole)."""
+        dtype = self.lm_head.dtype or self.lm_head.kernel.dtype
+        return self.norm(prenorm).astype(dtype), self.lm_head.kernel[...].astype(dtype)
+
     def empty_context(self, batch: int, dtype) -> tuple:
         """Per layer (k, v) of no rows [B, 0, Hkv, D]: the `context` of a chain's first call."""
         cfg = self.config
@@ -350,7 +357,22 @@ def cod_rows_forward(
     mask: str = "dense",
     chain_depth: int = 0,
 ) -> jax.Array:
-    """Logits [B, N, Vd] over COD rows, no cache.
+    """Logits [B, N, Vd] over COD rows, no cache: `cod_rows_states(...).logits`."""
+    return cod_rows_states(model, tokens, aux, anchor, depth, doc, mask, chain_depth).logits
+
+
+def cod_rows_states(
+    model: DrafterModel,
+    tokens: jax.Array,
+    aux: jax.Array,
+    anchor: jax.Array,
+    depth: jax.Array,
+    doc: jax.Array,
+    mask: str = "dense",
+    chain_depth: int = 0,
+) -> DrafterOutput:
+    """The drafter's output over COD rows, no cache (a trainer that fuses the head into its loss
+    reads `prenorm`; unused logits are never computed under jit).
 
     tokens [B, L]: the (already shifted) token of each position; aux [B, L, 3Ht]: the aux state
     of each position; anchor, depth, doc [B, N] (doc -1 = padding row). A row of depth 0 reads
@@ -367,15 +389,15 @@ def cod_rows_forward(
     """
     cfg = model.config
     if cfg.mask_token_id is None:
-        raise ValueError("cod_rows_forward: the drafter has no mask_token_id (mode 'chain')")
+        raise ValueError("cod_rows_states: the drafter has no mask_token_id (mode 'chain')")
     source = jnp.where((depth == 0) & (doc >= 0), jnp.clip(anchor, 0, tokens.shape[1] - 1), -1)
     positions = jnp.where(doc >= 0, anchor + depth, -1)
     if mask not in (None, "dense", "kernels"):
-        raise ValueError(f"cod_rows_forward: mask must be 'dense' or 'kernels', got {mask!r}")
+        raise ValueError(f"cod_rows_states: mask must be 'dense' or 'kernels', got {mask!r}")
     spec = kernels.AttentionSpec.peagle(anchor, depth, doc, chain_depth=chain_depth)
     backend = "auto" if mask == "kernels" else "dense"
     g = model.fuse(aux.astype(model.mask_hidden.dtype))
-    return model(tokens, g, positions, None, spec, backend, source=source).logits
+    return model(tokens, g, positions, None, spec, backend, source=source)
 
 
 # ---------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ P-EAGLE trains embed_tokens by default: --train-embed trains it on both sides) b
 (`loss_ours`, `loss_theirs[...]`, `loss_max_rel_diff`). Features are random arrays of the cached
 features' shapes (aux [L, 3 x 640], final-norm states [L, 640], RMS-normalised so speculators'
 verifier_norm (weight 1) leaves them as they are); the target forward is in neither side.
+Loss mask: the first (1 - --loss-fraction) of the positions are a prompt (no loss), the rest
+supervised (default 0.9; the bundled ShareGPT chats supervise 70% of their tokens): rows without
+loss cost us no vocabulary work (`train.loss.fused_kl`), speculators computes them and masks.
 
 Timing: each side's first step (XLA compile; torch's first call) is excluded, then --repeats
 rounds of ours, theirs (each --their-attn), ours, theirs, ... in one process; the median and
@@ -40,7 +43,7 @@ by HLO instruction (thread-ms), each with its shapes and JAX op name from the co
 both split into draft vocab / embedding / attention / other by the shapes the ops touch.
 
     python bench/train_speed.py [--lengths 512,2048] [--repeats 5] [--their-attn sdpa,eager]
-        [--threads N] [--train-embed] [--attention auto|dense|kernels] [--profile]
+        [--threads N] [--train-embed] [--attention auto|dense|kernels] [--loss-fraction F] [--profile]
         [--json bench/results/train_speed.json]
 """
 
@@ -61,7 +64,13 @@ ATTN = ("sdpa", "eager")  # simple_flex_attention: no backward on CPU
 
 
 def build(
-    length: int, threads: int, their_attns: list[str], small: bool, train_embed: bool = False, attention: str = "auto"
+    length: int,
+    threads: int,
+    their_attns: list[str],
+    small: bool,
+    train_embed: bool = False,
+    attention: str = "auto",
+    loss_fraction: float = 0.9,
 ):
     """(our step, our compiled HLO text (a function), theirs {attn: (step, model)}, info); the
     steps take no argument and return the loss."""
@@ -103,7 +112,7 @@ def build(
 
     # --- the same rows for both
     ids = rng.integers(10, v, length).astype(np.int32)
-    mask = np.arange(length) >= length // 10
+    mask = np.arange(length) >= int(length * (1 - loss_fraction))  # a prompt, then the supervised answer
     b = cod.make_batch(
         [Example(ids, mask, 0)], step=0, seed=0, max_len=length, mode="parallel", k=K, r=0.7, r_min=0.2,
         max_anchors=None, row_factor=ROW_FACTOR, length_buckets=1, row_granularity=ROW_GRANULARITY,
@@ -198,6 +207,8 @@ def build(
         "length": length,
         "rows_padded": int(b.anchor.shape[1]),
         "rows": int(real.sum()),
+        "supervised_rows": int((b.sup[0][np.clip(b.anchor[0] + b.depth[0], 0, length - 1)] & real).sum()),
+        "loss_fraction": loss_fraction,
         "rows_per_depth": np.bincount(b.depth[0][real], minlength=K).tolist(),
         "their_sampler_ms": sampler_ms,
         "head": {
@@ -342,7 +353,9 @@ def profile_ours(step, hlo: str, info: dict, top: int) -> dict | str:
 
 
 def measure(length: int, a) -> dict:
-    our_step, our_hlo, theirs, info = build(length, a.threads, a.their_attn, a.small, a.train_embed, a.attention)
+    our_step, our_hlo, theirs, info = build(
+        length, a.threads, a.their_attn, a.small, a.train_embed, a.attention, a.loss_fraction
+    )
     t0 = time.perf_counter()
     info["loss_ours"] = our_step()
     info["ours_first_s"] = time.perf_counter() - t0
@@ -422,6 +435,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="leave glibc's allocator as it is (default: peagle_jax.host.reuse_freed_memory, as the trainer)",
     )
+    ap.add_argument(
+        "--loss-fraction",
+        type=float,
+        default=0.9,
+        help="supervised share of the positions (a prompt first; 0.7 = the bundled ShareGPT chats' token-weighted share)",
+    )
     ap.add_argument("--small", action="store_true", help="a tiny random target instead of Gemma-3-270M (tests)")
     ap.add_argument("--json", default="bench/results/train_speed.json")
     a = ap.parse_args(argv)
@@ -431,6 +450,8 @@ def main(argv=None) -> int:
         ap.error(f"--their-attn: name at least one of {', '.join(ATTN)}")
     if bad:
         ap.error(f"--their-attn: unknown {bad} (known: {', '.join(ATTN)})")
+    if not 0 < a.loss_fraction <= 1:
+        ap.error(f"--loss-fraction must be in (0, 1], got {a.loss_fraction}")
     cpus = sorted(os.sched_getaffinity(0))
     a.threads = a.threads or len(cpus)
     if a.threads < len(cpus):  # XLA sizes its thread pool from the affinity mask; torch from set_num_threads

@@ -236,11 +236,10 @@ def fused_kl(hn, w, teacher: TeacherDist, rows, weights, top, *, chunk: int = 20
 
     The rows with a weight are taken ~`chunk` at a time (N cut into equal pieces; a loop of as
     many pieces as the fullest sequence's weighted rows fill; pieces of 512 rows made the
-    products ~15% slower than one [N, Vd] product on XLA CPU, ~2048 as fast), each piece's logits,
-    softmax and KL computed and dropped; under
-    differentiation the same pass also forms the chunk's gradient (the loss is linear in the
-    weighted KLs, so softmax(z) mass - p times the weights is all it needs) and only dh [B, N, H]
-    (and dW when w is differentiated) are kept for the backward."""
+    products ~15% slower than one [N, Vd] product on XLA CPU, ~2048 as fast), each piece's
+    logits, softmax and KL computed and dropped. Under differentiation the same pass forms the
+    piece's gradient (the loss is linear in the weighted KLs: weights x (softmax(z) mass - p) is
+    all it needs) and only dh [B, N, H] (and dW when w is differentiated) are kept."""
     return _fused(chunk, hn, w, teacher.p, teacher.neg_entropy, teacher.mass, rows, weights, top)
 
 

@@ -11,6 +11,11 @@ averages within each depth, then over the depths that have rows (an early port's
 This matches speculators 0.9.0 (`kl_div_loss` + `loss_function`: sum(kl * mask) /
 (sum(mask) + 1e-5)) exactly: the same 1e-5 (`eps`) is added to the denominator (it also
 makes a batch with no supervised row give loss 0).
+
+Two forms of it: `draft_loss` over given logits (the reference: the golden vectors and
+speculators' arithmetic pin it) and `fused_draft_loss`, what the trainer runs: the same loss
+and gradients from the head's inputs, the head's product inside it, supervised rows only
+(tests/test_train_loss.py holds the two equal).
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ class LossOutput(NamedTuple):
     rows: jax.Array  # number of supervised rows (float32)
     correct: jax.Array  # [K] top-1 hits per depth (supervised rows)
     total: jax.Array  # [K] supervised rows per depth
-    hit: jax.Array  # [...] bool, every row: the teacher's top token is the draft's (`top1_hit`)
+    hit: jax.Array  # [...] bool: the teacher's top token is the draft's (`top1_hit`); every row
+    # from `draft_loss`, the supervised rows only from `fused_draft_loss` (False elsewhere)
 
 
 def restrict_to_draft(target_logits: jax.Array, d2t: jax.Array) -> jax.Array:

@@ -8,12 +8,15 @@ Backends: ``kernels.xla`` (blockwise pure JAX, every platform), ``kernels.gpu`` 
 Triton lowering), ``kernels.tpu`` (Pallas, Mosaic TPU), ``kernels.reference`` (dense, the
 truth for tests). Block schedules (``kernels.schedule``) are computed inside jit from the
 per-row metadata. ``kernels.layouts.cod_layout`` builds COD row layouts for tests/benches.
+``kernels.slot_attention`` is the same rule over COD rows whose deeper rows share one input
+(the drafter's first layer): the mask slot's query is attended once per position.
 This package depends on nothing else in the project.
 """
 
-from . import chain, decode, dense, layouts, reference, schedule
+from . import chain, decode, dense, layouts, reference, schedule, slots
 from .api import attention, resolve_backend
 from .schedule import BlockSchedule, make_schedule
+from .slots import slot_attention
 from .spec import AttentionSpec, visible
 
 __all__ = [
@@ -28,5 +31,7 @@ __all__ = [
     "make_schedule",
     "reference",
     "schedule",
+    "slots",
+    "slot_attention",
     "layouts",
 ]

@@ -467,3 +467,45 @@ def test_rows_with_a_source_equal_their_gathered_inputs():
     slot_only = m(None, None, positions, source=jnp.full_like(source, -1)).logits
     every_slot = m(jnp.full_like(source, m.config.mask_token_id), jnp.broadcast_to(m.mask_g(), (1, 8, H)), positions)
     np.testing.assert_allclose(np.asarray(slot_only), np.asarray(every_slot.logits), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{}, dict(qk_norm=True, norm_before_residual=True, sliding_window=6, layer_types=("sliding_attention",) * 2)],
+    ids=["base", "qk_norm-window"],
+)
+def test_cod_rows_through_the_slot_attention_equal_the_dense_rule(flags):
+    """`cod_rows_states(mask="kernels", chain_depth=K - 1)` (layer 0 attends the mask slot once
+    per position: `kernels.slot_attention`) gives the logits and parameter gradients of the
+    dense P-EAGLE mask over the same COD rows (two documents, padding rows, rows unsorted)."""
+    from kernels.layouts import cod_layout, pad_layout
+    from kernels.slots import check_layout
+    from peagle_jax.models.drafter import cod_rows_states
+
+    config = dataclasses.replace(BASE, max_position_embeddings=64, **flags)
+    d = perturbed(config)
+    length, k = 40, 5
+    tokens, aux, _ = inputs(config, t=length)
+    rng = np.random.default_rng(2)
+    rows = pad_layout(*cod_layout(length, k, rng=rng, docs=2), 140)
+    assert (rows[1] >= 1).sum() > 40  # deep rows of several depths
+    order = rng.permutation(140)
+    anchor, depth, doc = (jnp.asarray(x[order])[None] for x in rows)
+    check_layout(anchor, depth, doc, length, k - 1)
+    c = jax.random.normal(jax.random.PRNGKey(1), (1, 140, config.draft_vocab_size))
+
+    def loss(state, mask):
+        m = nnx.merge(d.graphdef, state)
+        logits = cod_rows_states(m, tokens, aux, anchor, depth, doc, mask=mask, chain_depth=k - 1).logits
+        return jnp.sum(jnp.where(doc[..., None] >= 0, logits, 0) * c), logits
+
+    (_, got), g_got = jax.jit(jax.value_and_grad(loss, has_aux=True, allow_int=True), static_argnums=1)(
+        d.state, "kernels"
+    )
+    (_, want), g_want = jax.value_and_grad(loss, has_aux=True, allow_int=True)(d.state, "dense")
+    real = np.asarray(doc[0] >= 0)
+    np.testing.assert_allclose(np.asarray(got)[0, real], np.asarray(want)[0, real], rtol=2e-5, atol=2e-5)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(g_got), nnx.to_flat_state(g_want)):
+        if jnp.issubdtype(b[...].dtype, jnp.floating):
+            scale = float(np.max(np.abs(b[...])))  # f32 sums in another order
+            np.testing.assert_allclose(np.asarray(a[...]), np.asarray(b[...]), atol=2e-6 * scale, err_msg=str(path))

@@ -203,3 +203,20 @@ def test_cli_segments_4_logs_the_losses_of_segments_1(tmp_path, tiny_target, cap
 
     assert main([*base[3:], "--out", str(tmp_path / "bad"), "--loop.segments", "0"]) != 0
     assert "loop.segments must be an integer >= 1 or auto" in capsys.readouterr().err
+
+
+def test_the_flat_step_with_the_blockwise_kernels_equals_the_dense_mask():
+    """The trainer's flat path beyond 512 rows (attention "kernels": layer 0 attends the mask slot
+    once per position, `kernels.slot_attention`) gives the dense mask's loss and gradients on the
+    same multi-document rows (what the partitioning tests above compare against)."""
+    parts, params, frozen, aux, y, head_w, batch = make_case("parallel", 4, 2, seed=3)
+    kw = dict(mode="parallel", k=4, per_depth=False, chain_decay=0.8, softcap=None)
+
+    def flat(p, attention):
+        return loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, attention=attention, **kw)[0]
+
+    step = jax.jit(jax.value_and_grad(flat), static_argnums=1)
+    (loss0, g0), (loss, grads) = step(params, "dense"), step(params, "kernels")
+    assert abs(float(loss) - float(loss0)) <= TOL * abs(float(loss0))
+    worst = max((rel_err(grads[name], g0[name]), name) for name in g0)
+    assert worst[0] <= TOL, worst

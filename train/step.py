@@ -9,7 +9,8 @@ aux states (drafter inputs) and the final-norm states y; the teacher logits are 
 target's lm_head rows of the draft vocabulary only (gathered once on the host, [Vd, H]), one
 [L, Vd] product per sequence, then gathered per COD row by its reference position.
 
-Objectives: "parallel" = P-EAGLE COD rows through `cod_rows_states(mask="kernels")` with the
+Objectives: "parallel" = P-EAGLE COD rows through `cod_rows_states(mask="kernels")` (layer 0
+attends the mask slot once per position: `kernels.slot_attention`) with the
 forward KL of `train.loss.fused_draft_loss` (one global normalisation, or per depth; the head's
 product runs inside the loss, chunk by chunk, over the supervised rows only); "chain" =
 EAGLE-3 training-time test: step j feeds the head's own pre-norm states of step j-1 back as

@@ -97,9 +97,14 @@ class DrafterLayer(nnx.Module):
             attn, kv_cache = self.self_attn(z, positions, kv_cache, spec, backend, context)
         else:
             residual, heads = (None, None) if x is None else self.fused_inputs(embeds, x)
-            if source is not None:
-                residual, heads = pick_inputs(residual, heads, *self.fused_inputs(*slot), source)
-            attn, kv_cache = self.self_attn.attend(heads, positions, kv_cache, spec, backend, context)
+            if source is not None and slot_rows(x, kv_cache, spec, backend, context):
+                slot_residual, slot_heads = self.fused_inputs(*slot)
+                attn = self.self_attn.attend_slots(heads, slot_heads, spec, backend)
+                residual = pick_rows(residual, slot_residual.reshape(-1), source)
+            else:
+                if source is not None:
+                    residual, heads = pick_inputs(residual, heads, *self.fused_inputs(*slot), source)
+                attn, kv_cache = self.self_attn.attend(heads, positions, kv_cache, spec, backend, context)
         x = residual + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
@@ -109,6 +114,21 @@ class DrafterLayer(nnx.Module):
         residual = hn if self.norm_before_residual else g
         z = jnp.concatenate([self.input_layernorm(embeds).astype(hn.dtype), hn], axis=-1)
         return residual, self.self_attn.heads(z)
+
+
+def slot_rows(x, kv_cache, spec, backend, context) -> bool:
+    """Whether layer 0 attends the COD rows of `source` through `Attention.attend_slots`: rows
+    over positions, no cache or context, a spec whose `chain_depth` (>= 1) bounds the rows'
+    depths, a blockwise backend."""
+    blockwise = backend not in ("dense", "reference")
+    return (
+        x is not None
+        and kv_cache is None
+        and context is None
+        and spec is not None
+        and spec.chain_depth > 0
+        and blockwise
+    )
 
 
 def pick_inputs(residual, heads, slot_residual, slot_heads, source):
@@ -231,7 +251,11 @@ class DrafterModel(nnx.Module):
         source[i], or the mask slot's (mask_token_id, mask_g()) where source[i] < 0; tokens and g
         may be None (every row is the slot). Layer 0 then computes its q, k, v once per position
         and once for the slot instead of once per row (COD rows: a depth-0 row reads its position,
-        every deeper row the slot).
+        every deeper row the slot). With a `spec` whose `chain_depth` is >= 1, no cache or
+        context and a blockwise backend, the rows must be the COD rows of that spec (a depth-0
+        row's source is its anchor and its position; a deeper row's position is anchor + depth,
+        its depth <= chain_depth; `kernels.slots.check_layout`): layer 0 then attends the slot
+        once per position (`Attention.attend_slots`), not once per row.
         """
         embeds = x = slot = None
         if tokens is not None:
@@ -386,6 +410,10 @@ def cod_rows_states(
     block by block from the row metadata (`kernels.attention`, backend auto: memory linear in N,
     the path for long sequences); `chain_depth`: `kernels.AttentionSpec.chain_depth` (K - 1 for
     rows of depths < K: the kernels gather each row's chain instead of visiting its blocks).
+    With "kernels" and chain_depth >= 1 the rows must be a COD layout of depths <= chain_depth
+    (`kernels.slots.check_layout`; `train.cod` and `kernels.layouts.cod_layout` make them): the
+    first layer then attends the mask slot once per position (`kernels.slot_attention`: 2L
+    instead of N queries in its block loop), exact for such rows.
     """
     cfg = model.config
     if cfg.mask_token_id is None:

@@ -268,6 +268,35 @@ class Attention(nnx.Module):
         new_cache = (k, v) if context is not None else None if kv_cache is None else (keys, values)
         return self.o_proj(out.reshape(b, t, -1)), new_cache
 
+    def attend_slots(self, heads, slot_heads, spec: AttentionSpec, backend: str = "auto"):
+        """Attention output [B, N, out] of the COD rows of `spec` (`AttentionSpec.peagle`, its
+        `chain_depth` >= every row's depth) when a depth-0 row (anchor a) has the q, k, v of
+        position a (`heads` [B, L, heads, D] before RoPE, position = index) and every deeper row
+        the slot's (`slot_heads` [1, 1, heads, D]) at its reference position: `kernels.slot_attention`
+        (the slot's keys are attended once per position, not once per row; exact for COD layouts,
+        see `kernels.slots`)."""
+        q, k, v = heads
+        b, length = q.shape[:2]
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
+
+        def rope(x, like):
+            return apply_rope(jnp.broadcast_to(x.astype(like.dtype), like.shape), positions, self.rope)
+
+        q_slot, k_slot, v_slot = slot_heads
+        spec = dataclasses.replace(spec, scale=self.scale, softcap=self.softcap, sliding_window=self.window)
+        out = kernels.slot_attention(
+            rope(q, q),
+            rope(k, k),
+            v,
+            rope(q_slot, q),
+            rope(k_slot, k),
+            jnp.broadcast_to(v_slot.astype(v.dtype), (b, 1, *v.shape[2:])),
+            spec,
+            sinks=self.sinks[...] if self.has_sinks else None,
+            backend=backend,
+        )
+        return self.o_proj(out.reshape(*out.shape[:2], -1))
+
 
 class MLP(nnx.Module):
     """Gated MLP: down(act(gate(x)) * up(x)); SwiGLU for Llama/Qwen, GeGLU for Gemma."""

@@ -78,12 +78,20 @@ def slot_attention(q0, k0, v0, q_slot, k_slot, v_slot, spec: AttentionSpec, *, s
     pos_doc = position_docs(spec, length)
     pos = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))
 
+    real = doc >= 0
+    deep = real & (depth >= 1)
+    ref = anchor + depth
+
     # the blockwise part: the depth-0 rows' queries, then the slot's query at each position p over
     # the depth-0 keys up to p - W - 1 (anchor p - W - 1, depth W + 1: the window counts from p; the
     # rule's own-anchor clause would let the key at p - W - 1 through a window <= W + 1, which hides
-    # every base key anyway)
+    # every base key anyway). Positions no deeper row refers to (a prompt) are padding: their
+    # query blocks are skipped.
     base = pos - width - 1
-    base_doc = jnp.where(base >= 0, _take(pos_doc, base), -1)
+    referred = (
+        jnp.zeros((b, length), bool).at[jnp.arange(b)[:, None], jnp.where(deep, ref, length)].set(True, mode="drop")
+    )
+    base_doc = jnp.where((base >= 0) & referred, _take(pos_doc, base), -1)
     if window is not None and window <= width + 1:
         base_doc = jnp.full_like(base_doc, -1)
     zeros = jnp.zeros_like(pos)
@@ -101,9 +109,6 @@ def slot_attention(q0, k0, v0, q_slot, k_slot, v_slot, spec: AttentionSpec, *, s
         jnp.concatenate([q0, q_slot], 1), k0, v0, block_spec, sinks=sinks, backend=backend, return_lse=True, **blocks
     )
 
-    real = doc >= 0
-    deep = real & (depth >= 1)
-    ref = anchor + depth
     row_block = jnp.where(deep, length + ref, anchor)
     out1 = _take(out_b, row_block)
     lse1 = jnp.moveaxis(_take(jnp.moveaxis(lse_b, 1, 2), row_block), 2, 1)  # [B, Hq, N]

@@ -48,19 +48,30 @@ def inputs(length, seed):
 
 
 CASES = [
-    # length, K, docs, window, softcap, sinks, padding rows
-    (40, 8, None, None, None, False, 0),
-    (64, 8, 3, None, None, False, 5),
-    (57, 5, 4, 6, None, False, 0),
-    (48, 8, 2, 3, 20.0, False, 3),  # a window <= W + 1: no base keys at all
-    (48, 8, 2, 1, None, False, 0),
-    (33, 4, 2, None, None, True, 2),
+    # length, K, docs, window, softcap, sinks, padding rows, prompt (unsupervised first positions)
+    (40, 8, None, None, None, False, 0, 0),
+    (64, 8, 3, None, None, False, 5, 0),
+    (57, 5, 4, 6, None, False, 0, 0),
+    (48, 8, 2, 3, 20.0, False, 3, 0),  # a window <= W + 1: no base keys at all
+    (48, 8, 2, 1, None, False, 0, 0),
+    (33, 4, 2, None, None, True, 2, 0),
+    (80, 8, None, None, None, False, 0, 40),  # whole query blocks of the base part skipped
 ]
 
 
-@pytest.mark.parametrize("length,k,docs,window,softcap,sinks,pad", CASES)
-def test_slot_attention_is_the_peagle_rule_over_its_rows(length, k, docs, window, softcap, sinks, pad):
-    anchor, depth, doc = layout(length, k, docs, seed=length, pad=pad)
+BACKENDS = {  # the block part on each backend (Pallas interpreted on CPU)
+    "xla": dict(backend="xla", block_q=16, block_k=16),
+    "gpu": dict(backend="gpu", block_q=16, block_k=16, interpret=True),
+    "tpu": dict(backend="tpu", interpret="generic"),
+}
+
+
+@pytest.mark.parametrize(
+    "length,k,docs,window,softcap,sinks,pad,prompt,backend",
+    [(*c, "xla") for c in CASES] + [(*CASES[1], "gpu"), (*CASES[1], "tpu")],
+)
+def test_slot_attention_is_the_peagle_rule_over_its_rows(length, k, docs, window, softcap, sinks, pad, prompt, backend):
+    anchor, depth, doc = layout(length, k, docs, seed=length, pad=pad, loss=np.arange(length) >= prompt)
     check_layout(anchor, depth, doc, length, k - 1)
     spec = kernels.AttentionSpec.peagle(anchor, depth, doc, chain_depth=k - 1, sliding_window=window, softcap=softcap)
     args = inputs(length, seed=length + 1)
@@ -68,7 +79,7 @@ def test_slot_attention_is_the_peagle_rule_over_its_rows(length, k, docs, window
     w = jnp.asarray(np.random.default_rng(0).normal(size=(1, anchor.shape[1], HQ, D)), jnp.float32)
 
     def ours(q0, k0, v0, qs, ks, vs):
-        out = slot_attention(q0, k0, v0, qs, ks, vs, spec, sinks=sink, backend="xla", block_q=16, block_k=16)
+        out = slot_attention(q0, k0, v0, qs, ks, vs, spec, sinks=sink, **BACKENDS[backend])
         return jnp.sum(out * w), out
 
     def reference(q0, k0, v0, qs, ks, vs):

@@ -7,7 +7,8 @@ the same CPU threads, one optimizer step = forward + backward + gradient clippin
   `--data.cache_features`), rows from `train.cod.make_batch` (the trainer's defaults: K_train 8,
   r 0.7, r_min 0.2, rows padded to row_factor 3.5 x L in buckets of 512), attention `auto`
   (a dense [rows, rows] mask up to 512 rows, the blockwise kernels beyond, the chain keys gathered:
-  `AttentionSpec.chain_depth` K - 1), optax AdamW.
+  `AttentionSpec.chain_depth` K - 1; the first layer attends the mask slot once per position,
+  `kernels.slot_attention`), optax AdamW.
 * theirs: speculators 0.9.0 `PEagleDraftModel` (PyTorch) doing what `speculators.train.trainer`
   does per step minus autocast (f32): `model(**batch)`, `zero_grad`, `loss.backward()`,
   `clip_grad_norm_(1.0)`, `torch.optim.AdamW` step, linear LR schedule step. Loss: its eager
@@ -21,7 +22,7 @@ the same CPU threads, one optimizer step = forward + backward + gradient clippin
   the sampler's own time is measured apart (`their_sampler_ms`). Optimizer: AdamW (its CLI's
   default is Muon).
 
-The head: the default of `python -m train` for Gemma-3-270M (one layer, width 640, 4 heads of 256,
+The head: the default of `python -m train` for Gemma-3-270M (one layer, --layers N for more; width 640, 4 heads of 256,
 1 KV head, MLP 2048, fc_norm, draft vocabulary 16384, embed_tokens and lm_head frozen; speculators'
 P-EAGLE trains embed_tokens by default: --train-embed trains it on both sides) built by
 `pj.new_drafter` from the real target, exported to speculators' layout (f32) and loaded into
@@ -43,7 +44,7 @@ by HLO instruction (thread-ms), each with its shapes and JAX op name from the co
 both split into draft vocab / embedding / attention / other by the shapes the ops touch.
 
     python bench/train_speed.py [--lengths 512,2048] [--repeats 5] [--their-attn sdpa,eager]
-        [--threads N] [--train-embed] [--attention auto|dense|kernels] [--loss-fraction F] [--profile]
+        [--threads N] [--train-embed] [--attention auto|dense|kernels] [--loss-fraction F] [--layers N] [--profile]
         [--json bench/results/train_speed.json]
 """
 
@@ -71,6 +72,7 @@ def build(
     train_embed: bool = False,
     attention: str = "auto",
     loss_fraction: float = 0.9,
+    layers: int = 1,
 ):
     """(our step, our compiled HLO text (a function), theirs {attn: (step, model)}, info); the
     steps take no argument and return the loss."""
@@ -106,7 +108,7 @@ def build(
     vd = min(DRAFT_VOCAB, v // 2)
     rng = np.random.default_rng(0)
     counts = rng.zipf(1.3, v).astype(np.int64)  # some frequency order for the draft vocabulary
-    drafter = pj.new_drafter(target, num_layers=1, draft_vocab=vd, k_train=K, token_counts=counts, fc_norm=True)
+    drafter = pj.new_drafter(target, num_layers=layers, draft_vocab=vd, k_train=K, token_counts=counts, fc_norm=True)
     used = (np.arange(drafter.config.draft_vocab_size) + drafter.d2t).astype(np.int64)
     head_w_np = np.asarray(target.embedding_arrays()[1][used], np.float32)
 
@@ -354,7 +356,7 @@ def profile_ours(step, hlo: str, info: dict, top: int) -> dict | str:
 
 def measure(length: int, a) -> dict:
     our_step, our_hlo, theirs, info = build(
-        length, a.threads, a.their_attn, a.small, a.train_embed, a.attention, a.loss_fraction
+        length, a.threads, a.their_attn, a.small, a.train_embed, a.attention, a.loss_fraction, a.layers
     )
     t0 = time.perf_counter()
     info["loss_ours"] = our_step()
@@ -434,6 +436,9 @@ def main(argv=None) -> int:
         "--default-malloc",
         action="store_true",
         help="leave glibc's allocator as it is (default: peagle_jax.host.reuse_freed_memory, as the trainer)",
+    )
+    ap.add_argument(
+        "--layers", type=int, default=1, help="drafter layers (the trainer's default 1; the released heads have 4)"
     )
     ap.add_argument(
         "--loss-fraction",

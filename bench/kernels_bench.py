@@ -6,6 +6,9 @@ measures forward+backward time and peak memory of
 * ``blockwise``: ``kernels.attention(..., backend="xla")`` (schedule + blockwise loops),
 * ``blockwise-chain``: the same with ``AttentionSpec.chain_depth = K - 1`` (each row's chain keys
   gathered outside the block loop, `kernels.chain`: what the trainer runs),
+* ``slots``: ``kernels.slot_attention`` over the same rows when every deeper row reads one input
+  (the drafter's first layer: the mask slot's query attended once per position; inputs per
+  position, so its gradient is taken with respect to those six arrays),
 * ``dense``: ``jax.nn.dot_product_attention(..., mask=[B,1,T,T] bool, implementation="xla")``
   (only where its predicted footprint fits, see --dense-limit-gb),
 
@@ -14,7 +17,8 @@ the child's RSS just before the first attention call, after jax is imported and 
 inputs exist), and the fraction of (query block, KV block) pairs the schedule skips.
 Tiny heads (Hq=2, Hkv=1, D=32 by default) keep the big N within minutes on 2 cores.
 
-    python bench/kernels_bench.py [--n 1024 2048 4096 8192 16384] [--block 128 --block-k 512] [--json out.json]
+    python bench/kernels_bench.py [--n 1024 2048 4096 8192 16384] [--block 128 --block-k 512]
+        [--paths blockwise blockwise-chain slots dense] [--json out.json]
 """
 
 from __future__ import annotations
@@ -44,12 +48,12 @@ def child(args):
     import jax
     import jax.numpy as jnp
 
-    from kernels import AttentionSpec, attention, chain, make_schedule
+    from kernels import AttentionSpec, attention, chain, make_schedule, slot_attention
     from kernels.layouts import cod_layout
 
     a, d, c = cod_layout(args.n, args.k, r=0.7, r_min=0.2, rng=0)
     T = len(a)
-    spec = AttentionSpec.peagle(a, d, c, chain_depth=args.k - 1 if args.path == "blockwise-chain" else 0)
+    spec = AttentionSpec.peagle(a, d, c, chain_depth=args.k - 1 if args.path in ("blockwise-chain", "slots") else 0)
     key = jax.random.PRNGKey(0)
     kq, kk, kv, kd = jax.random.split(key, 4)
     q = jax.random.normal(kq, (1, T, args.hq, args.d), jnp.float32)
@@ -57,7 +61,14 @@ def child(args):
     v = jax.random.normal(kv, (1, T, args.hkv, args.d), jnp.float32)
     do = jax.random.normal(kd, q.shape, jnp.float32)
 
-    if args.path.startswith("blockwise"):
+    if args.path == "slots":  # per-position inputs: q0, k0, v0 and the slot's q, k (rotated), v
+        n = args.n
+        k0, v0 = k[:, :n], v[:, :n]
+        q = (q[:, :n], k0, v0, q[:, n : 2 * n], k[:, n : 2 * n], v[:, :1])
+
+        def fwd(q, k, v, spec):
+            return slot_attention(*q, spec, backend="xla", block_q=args.block, block_k=args.block_k)
+    elif args.path.startswith("blockwise"):
 
         def fwd(q, k, v, spec):
             return attention(q, k, v, spec, backend="xla", block_q=args.block, block_k=args.block_k)
@@ -86,6 +97,7 @@ def child(args):
     # the block loop the kernels run: chain keys gathered out, queries sorted (`kernels.chain`)
     loop_spec = jax.jit(lambda s: chain.sort_queries(chain.split(s)[0])[0])(spec) if spec.chain_depth else spec
     sched = jax.jit(make_schedule, static_argnums=(1, 2))(loop_spec, args.block, args.block_k)
+    skipped = None if args.path == "slots" else float(sched.skipped_fraction())  # slots: another loop
     print(
         json.dumps(
             dict(
@@ -102,7 +114,7 @@ def child(args):
                 fwd_bwd_s=min(times),
                 base_rss_mb=base,
                 peak_rss_mb=peak,
-                skipped=float(sched.skipped_fraction()),
+                skipped=skipped,
                 blocks=int(sched.fwd_count.size * sched.num_kv_blocks),
             )
         )
@@ -201,7 +213,7 @@ def main():
             print(
                 f"| {r['n']} | {r['rows']} | {r['path']} | {r['fwd_bwd_s']:.2f} | "
                 f"{r['peak_rss_mb']:.0f} | {r['base_rss_mb']:.0f} | "
-                f"{100 * r['skipped']:.1f}% of {r['blocks']} |"
+                + ("- |" if r["skipped"] is None else f"{100 * r['skipped']:.1f}% of {r['blocks']} |")
             )
         else:
             print(f"| {r['n']} | {r['rows']} | {r['path']} | - | - | - | {r.get('skipped_reason') or r.get('error')} |")

@@ -1,7 +1,8 @@
 """The trainer sharded over a device mesh: on 8 simulated CPU devices, meshes (data, fsdp,
 tensor) = (8,1,1), (1,8,1), (2,2,2), (1,4,2) train the same 3 steps as one device (losses and
-the trained head within 1e-5), a checkpoint written on (2,2,2) resumes on (8,1,1) and ends
-where the uninterrupted run ends, and a mesh or batch that does not fit is a one-line error.
+the trained head within 1e-5; (1,4,2) also with the blockwise attention kernels), a checkpoint
+written on (2,2,2) resumes on (8,1,1) and ends where the uninterrupted run ends, and a mesh or
+batch that does not fit is a one-line error.
 
 All the 8-device runs share one subprocess (the device count is fixed when JAX starts; the
 libraries are then loaded once)."""
@@ -33,6 +34,8 @@ SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 8, jax.devices()
     for mesh in json.loads(sys.argv[3]):
         assert main(train_runs.flags(target, root / "m{}{}{}".format(*mesh), mesh)) == 0, mesh
+    # the blockwise kernels (the first layer's slot attention) sharded: the dense reference's run
+    assert main(train_runs.flags(target, root / "kernels", (1, 4, 2)) + ["--model.attention", "kernels"]) == 0
     report = {"errors": {}}
     for name, extra in {"mesh": ["--mesh.data", "3"], "batch": ["--data.batch_size", "4"]}.items():
         err = io.StringIO()
@@ -90,6 +93,14 @@ def check_mesh(root, ref, mesh) -> None:
 def test_mesh_equals_one_device(mesh_runs, mesh):
     root, ref, _ = mesh_runs
     check_mesh(root, ref, mesh)
+
+
+def test_blockwise_attention_on_a_mesh_equals_the_dense_one_device_run(mesh_runs):
+    """`--model.attention kernels` (layer 0 attends the mask slot once per position,
+    `kernels.slot_attention`) on a (1, 4, 2) mesh trains what the dense mask trains on one device."""
+    root, ref, _ = mesh_runs
+    assert json.loads((root / "kernels" / "config.json").read_text())["model"]["attention"] == "kernels"
+    train_runs.assert_same_run(root / "kernels", ref)
 
 
 def test_checkpoint_from_another_mesh_resumes_identically(mesh_runs):

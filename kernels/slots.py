@@ -15,10 +15,10 @@ in how far their context reaches (anchor = p - depth). So, with W >= every row's
 * the two parts are merged through their log-sum-exps (`kernels.chain.merge`).
 
 The result is the P-EAGLE rule of `kernels.spec` exactly, for the rows of a COD layout
-(`kernels.layouts.cod_sample`; `check_layout` says what that means): every position < L has
-its depth-0 row, documents are contiguous position ranges, a deeper row (a, d) comes with
-the rows (a, 0..d-1) of its document and has a + d < L and d <= W. On other rows it is wrong:
-use `kernels.attention`.
+(`kernels.layouts.cod_sample`; `check_layout` says what that means): unique (anchor, depth)
+rows, depth-0 anchors in [0, L), documents that are contiguous position ranges, and a deeper
+row (a, d) with the rows (a, 0..d-1) of its document, a + d < L and d <= W. On other rows it is
+wrong: use `kernels.attention`.
 
 At 4096 tokens, K = 8 (~13k COD rows) the blockwise part visits ~2L instead of ~3.3L queries.
 """

@@ -469,15 +469,13 @@ def test_rows_with_a_source_equal_their_gathered_inputs():
     np.testing.assert_allclose(np.asarray(slot_only), np.asarray(every_slot.logits), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [{}, dict(qk_norm=True, norm_before_residual=True, sliding_window=6, layer_types=("sliding_attention",) * 2)],
-    ids=["base", "qk_norm-window"],
-)
-def test_cod_rows_through_the_slot_attention_equal_the_dense_rule(flags):
+def test_cod_rows_through_the_slot_attention_equal_the_dense_rule():
     """`cod_rows_states(mask="kernels", chain_depth=K - 1)` (layer 0 attends the mask slot once
     per position: `kernels.slot_attention`) gives the logits and parameter gradients of the
-    dense P-EAGLE mask over the same COD rows (two documents, padding rows, rows unsorted)."""
+    dense P-EAGLE mask over the same COD rows (two documents, padding rows, rows unsorted), for a
+    two-layer head with q/k norms and sliding windows (tests/test_train_segments.py checks the
+    trainer's plain head the same way)."""
+    flags = dict(qk_norm=True, norm_before_residual=True, sliding_window=6, layer_types=("sliding_attention",) * 2)
     from kernels.layouts import cod_layout, pad_layout
     from kernels.slots import check_layout
     from peagle_jax.models.drafter import cod_rows_states

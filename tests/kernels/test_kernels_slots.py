@@ -49,11 +49,9 @@ def inputs(length, seed):
 
 CASES = [
     # length, K, docs, window, softcap, sinks, padding rows, prompt (unsupervised first positions)
-    (40, 8, None, None, None, False, 0, 0),
     (64, 8, 3, None, None, False, 5, 0),
     (57, 5, 4, 6, None, False, 0, 0),
     (48, 8, 2, 3, 20.0, False, 3, 0),  # a window <= W + 1: no base keys at all
-    (48, 8, 2, 1, None, False, 0, 0),
     (33, 4, 2, None, None, True, 2, 0),
     (80, 8, None, None, None, False, 0, 40),  # whole query blocks of the base part skipped
 ]
@@ -68,7 +66,7 @@ BACKENDS = {  # the block part on each backend (Pallas interpreted on CPU)
 
 @pytest.mark.parametrize(
     "length,k,docs,window,softcap,sinks,pad,prompt,backend",
-    [(*c, "xla") for c in CASES] + [(*CASES[1], "gpu"), (*CASES[1], "tpu")],
+    [(*c, "xla") for c in CASES] + [(*CASES[0], "gpu"), (*CASES[0], "tpu")],
 )
 def test_slot_attention_is_the_peagle_rule_over_its_rows(length, k, docs, window, softcap, sinks, pad, prompt, backend):
     anchor, depth, doc = layout(length, k, docs, seed=length, pad=pad, loss=np.arange(length) >= prompt)

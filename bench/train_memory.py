@@ -58,25 +58,18 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
     import peagle_jax as pj
     from peagle_jax.assets import prepare
     from train import cod
+    from train.config import from_dict
     from train.data import Example
-    from train.step import TrainStep, batch_arrays, make_optimizer, split_params
+    from train.step import batch_arrays
+    from train.trainer import Trainer
 
     target = pj.load_target(prepare("gemma3-270m"), dtype="float32")
     v, h = target.config.vocab_size, target.config.hidden_size
     rng = np.random.default_rng(0)
     counts = rng.zipf(1.3, v).astype(np.int64)  # some frequency order for the draft vocabulary
-    drafter = pj.new_drafter(
-        target, num_layers=1, draft_vocab=DRAFT_VOCAB, k_train=K, token_counts=counts, fc_norm=True
-    )
-    used = (np.arange(drafter.config.draft_vocab_size) + drafter.d2t).astype(np.int64)
-    head_w = jax.numpy.asarray(target.embedding_arrays()[1][used])
-    parts, params, frozen = split_params(drafter, True, True)
-    opt = make_optimizer(1e-3, 10, 100, 0.1, 0.9, 0.95, 0.0, 0.5)
-    opt_state = opt.init(params)
-    stepper = TrainStep(
-        parts, opt, target, head_w, mode="parallel", k=K, per_depth=False, chain_decay=1.0, attention="auto",
-        segments=segments,
-    )  # fmt: skip
+    cfg = from_dict({"model": {"draft_vocab": DRAFT_VOCAB, "k_train": K}, "loop": {"segments": segments}})
+    trainer = Trainer(cfg, target, 100, token_counts=counts)  # the default recipe
+    stepper, params, opt_state, frozen = trainer.stepper, trainer.params, trainer.opt_state, trainer.frozen
     ids = rng.integers(10, v, length).astype(np.int32)
     mask = np.arange(length) >= length // 10
     b = cod.make_batch(

@@ -90,8 +90,10 @@ def build(
     import peagle_jax as pj
     from peagle_jax.drafter_io import export_speculators
     from train import cod
+    from train.config import from_dict
     from train.data import Example
-    from train.step import TrainStep, batch_arrays, make_optimizer, split_params
+    from train.step import batch_arrays
+    from train.trainer import Trainer
 
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations inside speculators
@@ -108,9 +110,10 @@ def build(
     vd = min(DRAFT_VOCAB, v // 2)
     rng = np.random.default_rng(0)
     counts = rng.zipf(1.3, v).astype(np.int64)  # some frequency order for the draft vocabulary
-    drafter = pj.new_drafter(target, num_layers=layers, draft_vocab=vd, k_train=K, token_counts=counts, fc_norm=True)
-    used = (np.arange(drafter.config.draft_vocab_size) + drafter.d2t).astype(np.int64)
-    head_w_np = np.asarray(target.embedding_arrays()[1][used], np.float32)
+    model = dict(draft_vocab=vd, num_layers=layers, k_train=K, freeze_embed=not train_embed, attention=attention)
+    trainer = Trainer(from_dict({"model": model}), target, 1000, token_counts=counts)  # the default recipe
+    drafter = trainer.drafter
+    head_w_np = np.array(trainer.stepper.head_w, np.float32)  # writable: torch shares it
 
     # --- the same rows for both
     ids = rng.integers(10, v, length).astype(np.int32)
@@ -186,24 +189,15 @@ def build(
         theirs[attn] = (their_step, model)
 
     # --- ours: the trainer's cached-features step
-    parts, params, frozen = split_params(drafter, not train_embed, True)
-    params = {k: jnp.array(a, copy=True) for k, a in params.items()}  # the step donates them
-    opt = make_optimizer(1e-3, 10, 1000, 0.1, 0.9, 0.95, 0.0, 0.5)
-    state_ours = [params, opt.init(params)]
-    stepper = TrainStep(
-        parts, opt, target, jnp.asarray(head_w_np), mode="parallel", k=K, per_depth=False, chain_decay=1.0,
-        attention=attention,
-    )  # fmt: skip
     batch = batch_arrays(b)
     feats = (jnp.asarray(aux), jnp.asarray(y))
 
     def our_step():
-        p, o, m = stepper(state_ours[0], state_ours[1], frozen, batch, feats=feats)
-        state_ours[0], state_ours[1] = p, o
-        return float(jax.block_until_ready(m["loss"]))
+        return float(jax.block_until_ready(trainer.update(batch, feats)["loss"]))
 
     def our_hlo() -> str:  # the compiled step's HLO text (a second compile: --profile only)
-        return stepper.compile_cached(state_ours[0], state_ours[1], frozen, *feats, batch).as_text()
+        t = trainer
+        return t.stepper.compile_cached(t.params, t.opt_state, t.frozen, *feats, batch).as_text()
 
     info = {
         "length": length,

@@ -45,11 +45,14 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def run(argv, parse: Callable, work: Callable, *, failure_code: Callable = lambda args: 1) -> int:
+def run(
+    argv, parse: Callable, work: Callable, *, failure_code: Callable = lambda args: 1, interrupted: str = "interrupted"
+) -> int:
     """The shared frame of every CLI: parse (usage errors: one line, exit 2), then do the work
     with SIGTERM as an interrupt (exit 130, temporaries removed); any failure of the work is one
     `error: ...` line (the exception type named when it is not a ValueError / OSError / KeyError)
-    and exit `failure_code(args)` (1; `inspect` says 2). PEAGLE_DEBUG=1 re-raises instead."""
+    and exit `failure_code(args)` (1; `inspect` says 2). PEAGLE_DEBUG=1 re-raises instead.
+    `interrupted`: the line's text on an interrupt (what the user can do next)."""
     try:
         args = parse(argv)
     except UsageError as err:
@@ -64,7 +67,7 @@ def run(argv, parse: Callable, work: Callable, *, failure_code: Callable = lambd
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print(f"error: {interrupted}", file=sys.stderr)
         return 130
     except Exception as err:  # noqa: BLE001 - every failure is one line
         if os.environ.get("PEAGLE_DEBUG"):

@@ -91,11 +91,15 @@ def test_export_passes_inspect_and_imports_to_identical_drafts(tiny_run, tiny_ta
         assert a == b
 
 
-def _cli(out, target, *extra, env=None):
+def _cli(out, target, *extra, kill_after: int | None = None):
+    program = (
+        ["-m", "train"]
+        if kill_after is None
+        else [str(ROOT / "tests" / "programs" / "train_killed.py"), str(kill_after)]
+    )
     cmd = [
         sys.executable,
-        "-m",
-        "train",
+        *program,
         "--preset",
         "tiny",
         "--out",
@@ -123,7 +127,7 @@ def _cli(out, target, *extra, env=None):
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
     return subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, **cache, **(env or {})}, capture_output=True, text=True, timeout=300
+        cmd, cwd=ROOT, env={**os.environ, **cache, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300
     )
 
 
@@ -132,7 +136,7 @@ def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_target):
 
     whole = _cli(tmp_path / "a", tiny_target)
     assert whole.returncode == 0, whole.stderr[-2000:]
-    killed = _cli(tmp_path / "b", tiny_target, env={"PEAGLE_TRAIN_SIGKILL_AT_STEP": "7"})
+    killed = _cli(tmp_path / "b", tiny_target, kill_after=7)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert not (tmp_path / "b" / "summary.json").exists()
     again = _cli(tmp_path / "b", tiny_target)

@@ -14,7 +14,8 @@ from paths import VECTORS
 
 from peagle_jax.drafter import load_drafter
 from peagle_jax.drafter_io import speculators_tensors
-from train.step import loss_and_metrics, path_of, split_params
+from peagle_jax.models.drafter import param_path
+from train.step import loss_and_metrics, split_params
 
 pytestmark = pytest.mark.skipif(not VECTORS.is_dir(), reason=f"golden vectors not found at {VECTORS}")
 GOLDEN_LOSS = 0.5964163
@@ -124,7 +125,7 @@ def test_gradients_match_speculators(golden, monkeypatch):
 
     ours = speculators_tensors(
         drafter.config,
-        {path_of(k): np.asarray(v) for k, v in grads.items()} | {("d2t",): drafter.d2t.astype(np.int32)},
+        {param_path(k): np.asarray(v) for k, v in grads.items()} | {("d2t",): drafter.d2t.astype(np.int32)},
         "float32",
     )
     theirs = {n: p.grad.numpy() for n, p in model.named_parameters() if p.grad is not None}

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
+from peagle_jax.cli import UsageError
 from train.__main__ import main
-from train.config import ConfigError, parse_args
+from train.config import parse_args
 from train.data import DataError, load_conversations, tokenize
 from train.tiny import tokenizer as tiny_tokenizer
 
@@ -50,9 +51,9 @@ def test_config_file_and_overrides_precedence(tmp_path):
 
 
 def test_unknown_preset_and_bad_values():
-    with pytest.raises(ConfigError, match="tiny"):
+    with pytest.raises(UsageError, match="tiny"):
         parse_args(["--preset", "tin"])
-    with pytest.raises(ConfigError, match="data.too_long"):
+    with pytest.raises(UsageError, match="data.too_long"):
         parse_args(["--data.too_long", "cut"])
 
 

@@ -25,10 +25,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(target, out, port: int, extra=(), env_of=lambda i: {}) -> list[subprocess.Popen]:
+def launch(target, out, port: int, extra=(), kill_after: dict | None = None) -> list[subprocess.Popen]:
+    """The two processes; kill_after {process: step}: that process kills itself after that step."""
     procs = []
     for i in range(2):
-        env = {**xla_env.simulated_devices(4), **env_of(i)}
+        env = {**xla_env.simulated_devices(4), "PYTHONPATH": str(ROOT)}
+        kill = (kill_after or {}).get(i)
+        program = ["-m", "train"] if kill is None else [str(ROOT / "tests" / "programs" / "train_killed.py"), str(kill)]
         argv = train_runs.flags(target, out, (2, 2, 2)) + [
             "--dist.coordinator",
             f"localhost:{port}",
@@ -40,7 +43,7 @@ def launch(target, out, port: int, extra=(), env_of=lambda i: {}) -> list[subpro
         ]
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "train", *argv],
+                [sys.executable, *program, *argv],
                 cwd=ROOT,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -96,7 +99,7 @@ def test_lost_process_stops_the_other_with_an_error(tmp_path_factory):
         out,
         free_port(),
         extra=["--dist.heartbeat_timeout", "5"],
-        env_of=lambda i: {"PEAGLE_TRAIN_SIGKILL_AT_STEP": "1"} if i == 1 else {},
+        kill_after={1: 1},
     )
     ((rc1, _, _),) = finish(procs[1:], timeout=600)
     assert rc1 == -9  # the kill

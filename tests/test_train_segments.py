@@ -1,4 +1,4 @@
-"""Sequence partitioning (train/segments.py, peagle.md section 5) is exact: on random rows with
+"""Sequence partitioning (train/segments.py, docs/method.md section 5) is exact: on random rows with
 several documents per sequence, S = 1, 2, 4, 7 segments give the flat pass's loss, gradients and
 metrics (1e-5 relative, f32) in both modes and with per-depth normalisation; `python -m train
 --loop.segments 4` logs the losses of `--loop.segments 1`; bad values are one-line errors."""
@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from kernels.layouts import cod_sample, pad_layout
+from peagle_jax.cli import UsageError
 from peagle_jax.config import DrafterConfig
 from peagle_jax.drafter import Drafter
 from train import config as C
@@ -158,9 +159,9 @@ def test_segments_flag_values():
     assert resolve_segments(3, 100, 30) == 3
     assert C.parse_args(["--loop.segments", "auto", "--loop.max_rows_per_segment", "4096"]).loop.segments == "auto"
     for bad in ("0", "-1", "two", "1.5"):
-        with pytest.raises(C.ConfigError, match=r"loop\.segments must be an integer >= 1 or auto"):
+        with pytest.raises(UsageError, match=r"loop\.segments must be an integer >= 1 or auto"):
             C.parse_args(["--loop.segments", bad])
-    with pytest.raises(C.ConfigError, match="loop.max_rows_per_segment must be >= 1"):
+    with pytest.raises(UsageError, match="loop.max_rows_per_segment must be >= 1"):
         C.parse_args(["--loop.max_rows_per_segment", "0"])
     with pytest.raises(ValueError, match="loop.segments"):
         resolve_segments(0, 10, 10)

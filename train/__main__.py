@@ -1,40 +1,33 @@
 """`python -m train`: train a P-EAGLE (or EAGLE-3) drafter head, export it for vLLM, measure it.
 
-No arguments = the default run (Gemma-3-270M, ShareGPT, ~15 minutes on a 2-core CPU).
-`--preset tiny` = a random tiny target and synthetic data, end to end in seconds.
-`--help` lists every field. Errors are one line and a non-zero exit.
+No arguments = the default run (Gemma-3-270M, ShareGPT). `--preset tiny` = a random tiny target
+and synthetic data, end to end in seconds. `--help` lists every field. Errors are one line and a
+non-zero exit (`peagle_jax.cli.run`: 2 a bad flag, 1 a failed run, 130 interrupted).
 """
 
 from __future__ import annotations
 
-import os
 import sys
+from collections.abc import Sequence
+
+RESUME_HINT = "interrupted: rerun with the same --out to resume from the last checkpoint"
 
 
-def main(argv=None) -> int:
+def main(argv=None, hooks: Sequence = ()) -> int:
+    """The command line; `hooks` (`train.trainer.Hook`) are handed to the trainer's loop."""
     from peagle_jax.host import reuse_freed_memory
 
-    reuse_freed_memory()  # before JAX starts its threads (peagle_jax.host: ~15% of a CPU step)
-    from train.config import ConfigError, parse_args
+    reuse_freed_memory()  # before JAX starts its threads (peagle_jax.host)
+    from peagle_jax.cli import run
+    from train.config import parse_args
 
-    try:
-        cfg = parse_args(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    from train.data import DataError
-    from train.loop import TrainError, run
+    return run(argv, parse_args, lambda cfg: train(cfg, hooks), interrupted=RESUME_HINT)
 
-    try:
-        summary = run(cfg)
-    except (DataError, TrainError, ValueError, FileNotFoundError) as e:
-        if os.environ.get("PEAGLE_TRACEBACK"):
-            raise
-        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted: rerun with the same --out to resume from the last checkpoint", file=sys.stderr)
-        return 130
+
+def train(cfg, hooks: Sequence = ()) -> int:
+    from train.loop import run
+
+    summary = run(cfg, hooks)
     if summary is None:  # a process other than 0 of a multi-host run: process 0 reports
         return 0
     if summary.get("prepared_only"):
@@ -54,8 +47,7 @@ def main(argv=None) -> int:
         print(
             f"{ev['prompt_set']} ({ev['prompts']} prompts, greedy, K={ev['k']}): acceptance length "
             f"{ev['acceptance_length']:.2f}, {ev['tokens_per_second']:.1f} tok/s vs "
-            f"{ev['baseline_tokens_per_second']:.1f} "
-            f"plain = {ev['speedup']:.2f}x"
+            f"{ev['baseline_tokens_per_second']:.1f} plain = {ev['speedup']:.2f}x"
         )
     print(f"serve: {summary['serve']}")
     return 0

@@ -20,11 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "TrainConfig", "PRESETS", "parse_args", "from_dict", "to_dict", "field_names"]
+from peagle_jax.cli import UsageError
 
-
-class ConfigError(ValueError):
-    """A bad configuration (the message is one line)."""
+__all__ = ["TrainConfig", "PRESETS", "parse_args", "from_dict", "to_dict", "field_names"]
 
 
 @dataclasses.dataclass
@@ -288,32 +286,32 @@ def _convert(value, tp, where: str):
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        raise UsageError(f"{where}: expected true/false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        raise UsageError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{where}: expected a number, got {value!r}")
+        raise UsageError(f"{where}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{where}: expected a string, got {value!r}")
+        raise UsageError(f"{where}: expected a string, got {value!r}")
     return value
 
 
 def apply_dict(cfg, data: dict, where: str = "config", prefix: str = ""):
-    """A copy of `cfg` with the nested `data` applied; unknown keys raise one-line ConfigError."""
+    """A copy of `cfg` with the nested `data` applied; unknown keys raise one-line UsageError."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'top level'} must be a mapping")
+        raise UsageError(f"{where}: {prefix.rstrip('.') or 'top level'} must be a mapping")
     hints = typing.get_type_hints(type(cfg))
     names = {f.name for f in dataclasses.fields(cfg)}
     changes = {}
     for key, value in data.items():
         if key not in names:
-            raise ConfigError(
+            raise UsageError(
                 f"{where}: unknown field {prefix + str(key)!r}" + _suggest(prefix + str(key), field_names())
             )
         tp = hints[key]
@@ -331,7 +329,7 @@ def from_dict(data: dict, where: str = "config") -> TrainConfig:
 def read_file(path: str) -> dict:
     p = Path(path)
     if not p.is_file():
-        raise ConfigError(f"--config {path}: no such file")
+        raise UsageError(f"--config {path}: no such file")
     text = p.read_text()
     try:
         if p.suffix in (".yaml", ".yml"):
@@ -341,9 +339,9 @@ def read_file(path: str) -> dict:
         else:
             data = json.loads(text)
     except Exception as e:  # noqa: BLE001 - any parse error becomes one line
-        raise ConfigError(f"--config {path}: cannot parse: {str(e).splitlines()[0]}") from None
+        raise UsageError(f"--config {path}: cannot parse: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {path}: the top level must be a mapping of fields")
+        raise UsageError(f"--config {path}: the top level must be a mapping of fields")
     return data
 
 
@@ -367,14 +365,14 @@ def _check_flags(argv: Sequence[str]) -> None:
         if name.startswith("no_"):
             name = name[3:]
         if name not in valid:
-            raise ConfigError(
+            raise UsageError(
                 f"unknown option --{a[2:].split('=', 1)[0]}"
                 + _suggest(name, valid).replace("(did you mean: ", "(did you mean: --").replace(", ", ", --")
             )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """TrainConfig from a command line (see the module docstring). Raises ConfigError;
+    """TrainConfig from a command line (see the module docstring). Raises UsageError;
     `--help` prints the fields and exits (SystemExit 0)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
@@ -382,7 +380,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     _check_flags(argv)
     preset = _pop(argv, "--preset") or "default"
     if preset not in PRESETS:
-        raise ConfigError(
+        raise UsageError(
             f"unknown preset {preset!r}" + _suggest(preset, list(PRESETS)) + f" (presets: {', '.join(PRESETS)})"
         )
     base = from_dict(PRESETS[preset](), f"preset {preset}")
@@ -406,7 +404,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     except SystemExit as e:
         if e.code in (0, None):
             raise
-        raise ConfigError(_box_message(errors.getvalue())) from None
+        raise UsageError(_box_message(errors.getvalue())) from None
     return validate(cfg)
 
 
@@ -443,7 +441,7 @@ def _box_message(text: str) -> str:
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
-    """One-line ConfigError for values no run can use."""
+    """One-line UsageError for values no run can use."""
     checks = [
         (cfg.model.mode in ("parallel", "chain"), f"model.mode must be parallel or chain, got {cfg.model.mode!r}"),
         (cfg.model.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16: {cfg.model.dtype!r}"),
@@ -486,7 +484,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     ]
     for ok, msg in checks:
         if not ok:
-            raise ConfigError(msg)
+            raise UsageError(msg)
     return cfg
 
 

@@ -19,7 +19,17 @@ import numpy as np
 
 from peagle_jax.chat import ConversationError, encode_training
 
-__all__ = ["DataError", "Example", "Dataset", "load_conversations", "tokenize", "sharegpt_file", "split"]
+__all__ = [
+    "DataError",
+    "Example",
+    "Dataset",
+    "load_conversations",
+    "tokenize",
+    "sharegpt_file",
+    "split",
+    "token_counts",
+    "batch_examples",
+]
 
 ROLE_MAP = {
     "human": "user",
@@ -271,3 +281,18 @@ def token_counts(examples: list[Example], vocab_size: int) -> np.ndarray:
     for e in examples:
         np.add.at(counts, e.ids[e.mask], 1)
     return counts
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The seeded permutation of the training split in one epoch."""
+    return np.random.default_rng([seed, 1, epoch]).permutation(n)
+
+
+def batch_examples(train: list[Example], step: int, batch_size: int, seed: int) -> list[Example]:
+    """The global batch of a step: a pure function of (seed, step), so a resumed run sees the
+    batches the uninterrupted one would have."""
+    out = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, j = divmod(i, len(train))
+        out.append(train[epoch_order(len(train), seed, epoch)[j]])
+    return out

@@ -32,17 +32,13 @@ from flax import nnx
 
 import kernels
 from peagle_jax.dtypes import numpy_dtype
-from peagle_jax.models.drafter import DrafterModel, cod_rows_states, flat_state
+from peagle_jax.models.drafter import DrafterModel, cod_rows_states, flat_state, param_key
 from peagle_jax.sharding import role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
 from train.loss import fused_draft_loss, next_rows, take_rows, teacher_logits, top_index
 from train.segments import attention_for, resolve_segments, segment_rows, segmented_loss
 
-__all__ = ["Parts", "split_params", "compute_parts", "make_optimizer", "features", "loss_and_metrics", "TrainStep"]
-
-
-def key(path) -> str:
-    return ".".join(map(str, path))
+__all__ = ["Parts", "trainable", "split_params", "compute_parts", "features", "loss_and_metrics", "TrainStep"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,26 +56,29 @@ class Parts:
 
     def merge(self, params: dict, frozen: dict):
         flat = {**params, **frozen}
-        state = nnx.from_flat_state([(p, var.replace(flat[key(p)])) for p, var in self.template])
+        state = nnx.from_flat_state([(p, var.replace(flat[param_key(p)])) for p, var in self.template])
         return nnx.merge(self.graphdef, state)
 
 
-def path_of(k: str) -> tuple:
-    """ "layers.0.mlp" -> ("layers", 0, "mlp") (the drafter's state paths)."""
-    return tuple(int(p) if p.isdigit() else p for p in k.split("."))
+def trainable(freeze_embed: bool, freeze_lm_head: bool):
+    """The nnx filter of the trained variables: every `nnx.Param` (the d2t `VocabMap` is not one)
+    but embed_tokens / lm_head when they are frozen."""
+    frozen = [
+        nnx.PathContains(name) for name, off in (("embed_tokens", freeze_embed), ("lm_head", freeze_lm_head)) if off
+    ]
+    return nnx.All(nnx.Param, nnx.Not(nnx.Any(*frozen))) if frozen else nnx.Param
 
 
 def split_params(drafter, freeze_embed: bool, freeze_lm_head: bool) -> tuple[Parts, dict, dict]:
-    """(Parts, trainable {key: array}, frozen {key: array}) of a Drafter handle."""
+    """(Parts, trainable {param_key: array}, frozen {param_key: array}) of a Drafter handle."""
     flat = flat_state(drafter.state)
-    frozen_keys = {"d2t"}
-    if freeze_embed:
-        frozen_keys.add("embed_tokens.embedding")
-    if freeze_lm_head:
-        frozen_keys.add("lm_head.kernel")
+    is_trained = nnx.filterlib.to_predicate(trainable(freeze_embed, freeze_lm_head))
     params, frozen = {}, {}
     for p, var in flat.items():
-        (frozen if key(p) in frozen_keys else params)[key(p)] = jnp.asarray(var[...])
+        if is_trained(p, var):  # a copy: the step donates its inputs, the handle keeps its own arrays
+            params[param_key(p)] = jnp.array(var[...], copy=True)
+        else:
+            frozen[param_key(p)] = jnp.asarray(var[...])
     return Parts(drafter.graphdef, tuple(flat.items())), params, frozen
 
 
@@ -92,27 +91,6 @@ def compute_parts(parts: Parts, config, compute_dtype: str, param_dtype: str) ->
     cd, pd = numpy_dtype(compute_dtype), numpy_dtype(param_dtype)
     model = nnx.eval_shape(lambda: DrafterModel(config, dtype=cd, param_dtype=pd, rngs=nnx.Rngs(0)))
     return Parts(nnx.split(model)[0], parts.template)
-
-
-def make_optimizer(
-    lr: float,
-    warmup: int,
-    total: int,
-    min_ratio: float,
-    b1: float,
-    b2: float,
-    wd: float,
-    clip: float,
-    norm_lr_scale: float = 1.0,
-) -> optax.GradientTransformation:
-    """AdamW with linear warmup + cosine decay after global-norm clipping; the final norm's
-    updates are multiplied by `norm_lr_scale` (it sets the logit scale, see docs/training.md)."""
-    warmup = max(0, min(warmup, total - 1))
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, warmup, max(total, warmup + 1), lr * min_ratio)
-    parts = [optax.clip_by_global_norm(clip), optax.adamw(sched, b1=b1, b2=b2, weight_decay=wd)]
-    if norm_lr_scale != 1.0:
-        parts.append(optax.masked(optax.scale(norm_lr_scale), lambda p: {k: k == "norm.weight" for k in p}))
-    return optax.chain(*parts)
 
 
 def features(target_def, target_state, tokens, positions, aux_layer_ids):
@@ -413,23 +391,3 @@ def batch_arrays(b) -> dict[str, np.ndarray]:
         "depth": b.depth,
         "doc": b.doc,
     }
-
-
-def conditional_hits(
-    hit: np.ndarray, sup: np.ndarray, anchor: np.ndarray, depth: np.ndarray, doc: np.ndarray, k: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per depth: supervised rows whose whole chain (same anchor, depths 0..d) is right, and
-    the supervised rows (host numpy; rows sorted by (depth, anchor) within a sequence)."""
-    cond = np.zeros(k)
-    tot = np.zeros(k)
-    for b in range(hit.shape[0]):
-        ok: dict[int, bool] = {}
-        for h, s, a, d, c in zip(hit[b], sup[b], anchor[b], depth[b], doc[b]):
-            if c < 0:
-                continue
-            chain = bool(h) and (d == 0 or ok.get(int(a), False))
-            ok[int(a)] = chain  # rows come depth by depth: this is what depth d + 1 reads
-            if s:
-                tot[d] += 1
-                cond[d] += chain
-    return cond, tot

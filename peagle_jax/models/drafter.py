@@ -1,4 +1,4 @@
-"""The EAGLE-3 / P-EAGLE drafter network (reference/peagle.md section 3), its COD-row
+"""The EAGLE-3 / P-EAGLE drafter network (docs/method.md section 3), its COD-row
 forward for training, its draft-vocabulary maps, and its state as arrays.
 
 ```
@@ -437,6 +437,17 @@ def abstract_drafter(config: DrafterConfig, dtype="float32"):
     return nnx.split(model)
 
 
+def param_key(path: Sequence) -> str:
+    """The dotted name of a variable path: ("layers", 0, "mlp") -> "layers.0.mlp". The one
+    spelling of a parameter's name as a string (the trainer's flat dicts, checkpoints, messages)."""
+    return ".".join(map(str, path))
+
+
+def param_path(key: str) -> tuple:
+    """The variable path of a dotted name: "layers.0.mlp" -> ("layers", 0, "mlp")."""
+    return tuple(int(p) if p.isdigit() else p for p in key.split("."))
+
+
 def flat_state(state) -> dict[tuple, Any]:
     """{path tuple: Variable} of a drafter state."""
     return {tuple(path): var for path, var in nnx.to_flat_state(state)}
@@ -450,16 +461,14 @@ def state_from_arrays(config: DrafterConfig, arrays: dict[tuple, Any], dtype="fl
     d = numpy_dtype(dtype)
     graphdef, abstract = abstract_drafter(config, d)
     flat = flat_state(abstract)
-    missing = sorted(".".join(map(str, p)) for p in set(flat) - set(arrays))
-    extra = sorted(".".join(map(str, p)) for p in set(arrays) - set(flat))
+    missing = sorted(param_key(p) for p in set(flat) - set(arrays))
+    extra = sorted(param_key(p) for p in set(arrays) - set(flat))
     if missing or extra:
         raise ValueError(f"{where}drafter state mismatch: missing {missing}, unexpected {extra}")
     for path, var in flat.items():
         arr = arrays[path]
         if tuple(arr.shape) != tuple(var.shape):
-            raise ValueError(
-                f"{where}{'.'.join(map(str, path))}: shape {tuple(arr.shape)}, expected {tuple(var.shape)}"
-            )
+            raise ValueError(f"{where}{param_key(path)}: shape {tuple(arr.shape)}, expected {tuple(var.shape)}")
         want = jnp.int32 if isinstance(var, VocabMap) else d
         flat[path] = var.replace(jnp.asarray(np.asarray(arr), dtype=want))
     return graphdef, nnx.from_flat_state(list(flat.items()))

@@ -1,0 +1,227 @@
+"""`Trainer`: one run's drafter head, optimizer, jitted step and checkpoints, built from a
+`TrainConfig` and a loaded target.
+
+It owns the parameter split (`train.step.trainable`: every `nnx.Param` but the frozen embedding /
+lm_head), the optimizer of `cfg.optim` (`train.optim`), the placement on a mesh, the step, the
+held-out evaluation and checkpoint save / restore. `fit` runs the steps left and calls the
+`Hook`s after each one and at the end; logging, periodic evaluation, checkpoints and anything a
+caller adds (a test's kill switch) are hooks.
+
+Determinism: the batches are a pure function of (data seed, step) (`train.data.batch_examples`,
+COD rows seeded per step and row), so a run restored at step s continues with exactly the
+batches the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from peagle_jax.models.drafter import draft_vocab_ids, param_path
+from train import cod
+from train import config as C
+from train import data as D
+from train import distributed as dist
+from train.checkpoint import Checkpoints
+from train.metrics import add_stats, stats_record, step_stats
+from train.optim import learning_rate, make_optimizer
+from train.step import TrainStep, batch_arrays, compute_parts, split_params
+
+__all__ = ["Trainer", "Hook", "TrainError", "total_steps"]
+
+HELDOUT_STEP = 10**9  # the COD seed offset of held-out batches: the same rows at every evaluation
+
+
+class TrainError(ValueError):
+    """A run that cannot start or continue (one-line message)."""
+
+
+def check_target(cfg: C.TrainConfig, target, where) -> None:
+    """TrainError naming `where` (the target folder) when cfg.model cannot train on this target."""
+    mc, v = cfg.model, target.config.vocab_size
+    if mc.draft_vocab > v:
+        raise TrainError(f"model.draft_vocab={mc.draft_vocab} exceeds the target's vocabulary of {v}")
+    if mc.mask_token_id is not None and not 0 <= mc.mask_token_id < v:
+        raise TrainError(f"model.mask_token_id={mc.mask_token_id} is outside the target's vocabulary [0, {v})")
+    if target.config.num_layers < 4:
+        raise TrainError(f"{where}: a target of {target.config.num_layers} layers has no 3 distinct aux layers")
+
+
+class Hook:
+    """Called by `Trainer.fit`: `after_step` with the step's record (step = steps done), `at_end`
+    once the last step is done (or the loop was left by an exception, `failed` True)."""
+
+    def after_step(self, trainer: Trainer, rec: dict) -> None:
+        pass
+
+    def at_end(self, trainer: Trainer, failed: bool) -> None:
+        pass
+
+
+def total_steps(cfg: C.TrainConfig, n_train: int) -> int:
+    """loop.steps, or loop.epochs passes over a training split of n_train sequences."""
+    return cfg.loop.steps or max(1, math.ceil(cfg.loop.epochs * n_train / cfg.data.batch_size))
+
+
+class Trainer:
+    """A head for `target` trained by `cfg` over `steps` optimizer steps.
+
+    token_counts [V]: supervised token counts of the training data (the draft vocabulary is
+    their top model.draft_vocab ids). mesh: a (data, fsdp, tensor) Mesh; the state is placed on
+    it and batches are this process's rows (`rows`)."""
+
+    def __init__(self, cfg: C.TrainConfig, target, steps: int, *, token_counts=None, mesh=None):
+        import peagle_jax as pj
+
+        mc = cfg.model
+        check_target(cfg, target, getattr(target, "path", "the target"))
+        self.cfg, self.steps, self.step = cfg, steps, 0
+        self.k, self.eval_k = mc.k_train, min(7, mc.k_train)
+        v = target.config.vocab_size
+        vd = mc.draft_vocab if 0 < mc.draft_vocab < v else None
+        self.drafter = pj.new_drafter(
+            target,
+            num_layers=mc.num_layers,
+            mode=mc.mode,
+            draft_vocab=vd,
+            seed=mc.seed,
+            mask_token_id=mc.mask_token_id,
+            k_train=mc.k_train,
+            token_counts=token_counts if vd else None,
+            dtype=mc.dtype,
+            fc_norm=mc.fc_norm,
+            norm_before_fc=mc.norm_before_fc,
+        )
+        # the teacher: the target's lm_head rows of the draft vocabulary, gathered once
+        head_w = jax.numpy.asarray(target.embedding_arrays()[1][draft_vocab_ids(self.drafter.d2t)], self.drafter.dtype)
+        parts, params, frozen = split_params(self.drafter, mc.freeze_embed, mc.freeze_lm_head)
+        parts = compute_parts(parts, self.drafter.config, mc.compute_dtype, mc.dtype)
+        if mc.norm_from_target:
+            tnorm = np.asarray(target.state["norm"]["weight"][...], np.float32) + target.config.norm_offset
+            params["norm.weight"] = jax.numpy.asarray(tnorm, params["norm.weight"].dtype)
+        self.optimizer = make_optimizer(cfg.optim, steps)
+        opt_state = self.optimizer.init(params)
+        lc = cfg.loop
+        self.stepper = TrainStep(
+            parts,
+            self.optimizer,
+            target,
+            head_w,
+            mode=mc.mode,
+            k=mc.k_train,
+            per_depth=lc.per_depth_loss,
+            chain_decay=lc.chain_decay,
+            attention=mc.attention,
+            segments=lc.segments,
+            max_rows_per_segment=lc.max_rows_per_segment,
+            mesh=mesh,
+            state=(params, opt_state, frozen),
+        )
+        self.params, self.opt_state, self.frozen = self.stepper.place_state(params, opt_state, frozen)
+
+    # --- batches and steps
+    def rows(self) -> tuple[int, int]:
+        """[lo, hi): this process's rows of every global batch (all of them in one process)."""
+        return self.stepper.rows(self.cfg.data.batch_size)
+
+    def cod_batch(self, examples: list, step: int, first_row: int = 0, length: int | None = None) -> cod.Batch:
+        """The COD rows of `examples` at `step` (cfg.data's sampling: r, r_min, rows, buckets)."""
+        dc, mc = self.cfg.data, self.cfg.model
+        return cod.make_batch(
+            examples,
+            step=step,
+            seed=dc.seed,
+            max_len=dc.max_len,
+            mode=mc.mode,
+            k=mc.k_train,
+            r=dc.cod_r,
+            r_min=dc.cod_r_min,
+            max_anchors=dc.max_anchors,
+            row_factor=dc.row_factor,
+            length_buckets=dc.length_buckets,
+            row_granularity=dc.row_granularity,
+            first_row=first_row,
+            length=length,
+        )
+
+    def update(self, arrays: dict, feats=None) -> dict:
+        """One optimizer step on batch arrays (`train.step.batch_arrays`): the step's device metrics."""
+        self.params, self.opt_state, m = self.stepper(self.params, self.opt_state, self.frozen, arrays, feats)
+        self.step += 1
+        return m
+
+    def train_step(self, batch: cod.Batch, feats=None, first_row: int = 0) -> dict:
+        """One optimizer step on this process's rows `batch` (target features `feats`, or the
+        target run inside the step): its record (loss, accuracies, grad_norm, learning rate)."""
+        m = self.update(batch_arrays(batch), feats)
+        rec = stats_record(step_stats(m, batch, self.k, self.eval_k, first_row=first_row), self.eval_k)
+        return {"step": self.step, **rec, "grad_norm": float(m["grad_norm"]), "lr": self.learning_rate}
+
+    def evaluate(self, examples: list) -> dict | None:
+        """{eval_loss, eval_acc, eval_cond_acc, eval_sim_tau} over `examples` (fixed COD rows)."""
+        if not examples:
+            return None
+        bs, sums = self.cfg.data.batch_size, None
+        for i in range(0, len(examples), bs):
+            b = self.cod_batch(examples[i : i + bs], step=HELDOUT_STEP + i)
+            m = self.stepper.evaluate(self.params, self.frozen, batch_arrays(b))
+            sums = add_stats(sums, step_stats(m, b, self.k, self.eval_k))
+        return {"step": self.step, **{f"eval_{k}": v for k, v in stats_record(sums, self.eval_k).items()}}
+
+    def fit(self, train: list, hooks: Sequence[Hook] = (), features=None) -> None:
+        """The steps from `self.step` to `self.steps` over the training split `train`; `features`:
+        a `train.features.FeatureCache` (one process) instead of running the target each step."""
+        dc = self.cfg.data
+        lo, hi = self.rows()
+        tokens, t0 = 0, time.perf_counter()
+        failed = True
+        try:
+            for step in range(self.step, self.steps):
+                exs = D.batch_examples(train, step, dc.batch_size, dc.seed)  # the global batch
+                length = cod.bucket_for(max(len(e.ids) for e in exs), dc.max_len, dc.length_buckets)
+                b = self.cod_batch(exs[lo:hi], step, first_row=lo, length=length)
+                if dist.multi_process():  # one row bucket for all: the largest (only the row count travels)
+                    b = cod.pad_rows(b, dist.max_over_processes(b.anchor.shape[1]))
+                f = features.get(exs, b) if features is not None else None
+                rec = self.train_step(b, f, first_row=lo)
+                n = sum(len(e.ids) for e in exs)
+                tokens += n
+                rec.update(tokens=n, tokens_per_second=tokens / (time.perf_counter() - t0))
+                for h in hooks:
+                    h.after_step(self, rec)
+            failed = False
+        finally:
+            for h in hooks:
+                h.at_end(self, failed)
+
+    # --- state
+    @property
+    def learning_rate(self) -> float:
+        """The learning rate of the last step (read from the optimizer state)."""
+        return learning_rate(self.opt_state)
+
+    def save(self, ckpt: Checkpoints) -> None:
+        """A checkpoint of this step (every process calls it: each writes its own shards)."""
+        meta = {"step": self.step, "seed": self.cfg.data.seed, "config": C.to_dict(self.cfg)}
+        ckpt.save(self.step, self.params, self.opt_state, meta)
+
+    def restore(self, ckpt: Checkpoints) -> int | None:
+        """The latest checkpoint restored onto this run's mesh (whatever mesh wrote it): its step."""
+        latest = ckpt.latest()
+        if latest is None:
+            return None
+        self.params, self.opt_state, meta = ckpt.restore(latest, self.params, self.opt_state)
+        self.step = int(meta["step"])
+        return self.step
+
+    def head(self):
+        """The trained head as a host `Drafter` (gathered from every process: all must call it)."""
+        from peagle_jax.drafter import Drafter
+
+        arrays = {**dist.to_host(self.params), **dist.to_host(self.frozen)}
+        arrays = {param_path(k): v for k, v in arrays.items()}
+        return Drafter.from_arrays(self.drafter.config, arrays, self.cfg.model.dtype)

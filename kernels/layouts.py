@@ -1,6 +1,6 @@
 """COD (conditional-on-depth) row layouts for tests and benchmarks.
 
-`cod_sample` is THE COD sampler of peagle.md section 5: the trainer (`train.cod`) and the
+`cod_sample` is THE COD sampler of docs/method.md section 5: the trainer (`train.cod`) and the
 kernel tests/benchmarks (`cod_layout`) both call it:
 
     depth 0: one row per position (anchor a = t)

@@ -9,7 +9,7 @@ Every row (query or key) carries three int32 numbers:
 * ``doc``: document id; ``doc < 0`` marks a padding row, which never attends and is never
   attended.
 
-The rule (P-EAGLE, peagle.md section 5; plain causal is the case "all depths 0"):
+The rule (P-EAGLE, docs/method.md section 5; plain causal is the case "all depths 0"):
 
     visible(q, k) = doc_q == doc_k  and  doc_q >= 0  and  doc_k >= 0  and
                     ( (depth_k == 0 and anchor_k <= anchor_q and in_window)

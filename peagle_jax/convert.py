@@ -1,5 +1,5 @@
 """`python -m peagle_jax.convert` (console script `peagle-convert`): drafter and target checkpoints
-between this project and the formats vLLM serves (reference/peagle.md section 6). The CLI only:
+between this project and the formats vLLM serves (docs/method.md section 6). The CLI only:
 the formats are `peagle_jax.drafter_io` / `peagle_jax.head_config`, the lint `peagle_jax.inspect`.
 
 ```

@@ -1,4 +1,4 @@
-"""Drafter checkpoint formats on (DrafterConfig, {path: array}) (reference/peagle.md section 6).
+"""Drafter checkpoint formats on (DrafterConfig, {path: array}) (docs/method.md section 6).
 
 Our own checkpoint (`drafter.json` + orbax `state/`) and two layouts of other tools, both
 `config.json` + `model.safetensors` (or a sharded index) with flat keys:

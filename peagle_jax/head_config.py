@@ -1,4 +1,4 @@
-"""config.json of vLLM-native and speculators drafter heads <-> `DrafterConfig` (reference/peagle.md section 6).
+"""config.json of vLLM-native and speculators drafter heads <-> `DrafterConfig` (docs/method.md section 6).
 
 `head_facts` reads a head's config.json once, leniently: what it says and where it says it (the
 layer config's location, mask-id keys, aux ids at the top level or in `eagle_config`, K hints,

@@ -1,5 +1,5 @@
 """Drafter folders for the converter and lint tests: random heads in our format, and vLLM /
-speculators folders written by hand (keys spelled literally, as reference/peagle.md section 6
+speculators folders written by hand (keys spelled literally, as docs/method.md section 6
 lists them, independent of peagle_jax's key table). Tiny shapes."""
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Where the shared golden vectors live: `shared/` beside the checkout (as laid out for
-sessions and CI), else the workplace copy."""
+"""Where the tests find their golden vectors: tests/golden (shipped with the repository;
+`tests/golden/regenerate.py` makes them again from speculators)."""
 
 from pathlib import Path
 
-_CANDIDATES = (Path(__file__).resolve().parents[2] / "shared", Path("/work/shared"))
-SHARED = next((p for p in _CANDIDATES if (p / "vectors").is_dir()), _CANDIDATES[0])
-VECTORS = SHARED / "vectors" / "peagle-tiny"
+VECTORS = Path(__file__).resolve().parent / "golden" / "peagle-tiny"

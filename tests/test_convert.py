@@ -95,7 +95,7 @@ def test_roundtrip_bf16_exact_after_one_cast(fmt, own, tmp_path, capsys):
 
 
 def test_vllm_export_layout(own, tmp_path, capsys):
-    """peagle.md section 6: every key, shape and dtype; the config fields vLLM reads."""
+    """docs/method.md section 6: every key, shape and dtype; the config fields vLLM reads."""
     src, d = own
     assert run(capsys, "export", src, tmp_path / "x", "--format", "vllm")[0] == 0
     cfg = json.loads((tmp_path / "x/config.json").read_text())

@@ -1,5 +1,5 @@
 """Importing drafter folders built by hand in the vLLM-native and speculators layouts
-(reference/peagle.md section 6), clear errors on bad input, and what the exports hold."""
+(docs/method.md section 6), clear errors on bad input, and what the exports hold."""
 
 from __future__ import annotations
 

@@ -102,7 +102,7 @@ def masked_attention(q, k, v, mask, scale):
 
 
 def reference_prenorm(model, tokens, g, positions, masks):
-    """The drafter network (reference/peagle.md section 3) with layer i attending by masks[i]."""
+    """The drafter network (docs/method.md section 3) with layer i attending by masks[i]."""
     embeds = model.embed_tokens(tokens)
     x = g
     for i, layer in enumerate(model.layers):

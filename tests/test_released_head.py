@@ -3,7 +3,7 @@ weights built on the fly, keys spelled literally in vLLM's native layout): impor
 and speculators) -> import is bit-exact, the vLLM export holds the released file's tensors byte for
 byte, and `inspect` finds no problem in either export.
 
-Shapes (reference/peagle.md section 6 and the model card): 4 layers, hidden 2880 = target hidden,
+Shapes (docs/method.md section 6 and the model card): 4 layers, hidden 2880 = target hidden,
 fc 8640 -> 2880, mask_hidden [1, 1, 8640], full vocabulary 201088 (no d2t / t2d), 64 heads, 8 KV
 heads, head_dim 64, llama3 rope, K_train 10. The intermediate size is not public; 7680 is assumed
 (the card's 1.8B parameters would suggest about 14336).

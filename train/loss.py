@@ -1,4 +1,4 @@
-"""The P-EAGLE training loss and per-depth metrics (reference/peagle.md section 5).
+"""The P-EAGLE training loss and per-depth metrics (docs/method.md section 5).
 
 Teacher: the target's distribution at a row's reference position, restricted to the draft
 vocabulary (softmax over the target logits of the draft ids, in draft-id order); draft:

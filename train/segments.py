@@ -1,4 +1,4 @@
-"""Exact sequence partitioning (reference/peagle.md section 5): one step over S segments.
+"""Exact sequence partitioning (docs/method.md section 5): one step over S segments.
 
 Segment of a row: seg = ((anchor if depth == 0 else anchor + 1) * S) // L, clamped to
 [0, S - 1], L = the row-space length of the batch. The depth-0 rows (rows [0, L) of a batch are
@@ -53,7 +53,7 @@ def segment_bounds(length: int, segments: int) -> np.ndarray:
 
 
 def row_segments(anchor: np.ndarray, depth: np.ndarray, length: int, segments: int) -> np.ndarray:
-    """The segment of each row (peagle.md section 5)."""
+    """The segment of each row (docs/method.md section 5)."""
     key = np.where(depth == 0, anchor, anchor + 1).astype(np.int64)
     return np.clip(key * segments // length, 0, segments - 1)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 
 import jax
@@ -32,9 +31,6 @@ def _hf_tiny():
 
     return hf_tiny
 
-
-HAVE_TARGET = importlib.util.find_spec("peagle_jax.target") is not None
-needs_target = pytest.mark.skipif(not HAVE_TARGET, reason="peagle_jax.target (load_target) is not written yet")
 
 V, H, T = 64, 32, 8
 BASE = DrafterConfig(
@@ -317,8 +313,6 @@ def test_cod_rows_match_the_inference_layout():
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    if not HAVE_TARGET:
-        pytest.skip("peagle_jax.target (load_target) is not written yet")
     from peagle_jax.target import load_target
 
     hf_tiny = _hf_tiny()
@@ -327,7 +321,6 @@ def tiny_target(tmp_path_factory):
     return load_target(folder, dtype="float32", aux_layer_ids=(0, 1, 2))
 
 
-@needs_target
 def test_new_drafter_from_target(tiny_target, tmp_path):
     target = tiny_target
     tc = target.config
@@ -362,7 +355,6 @@ def test_new_drafter_from_target(tiny_target, tmp_path):
         new_drafter(target, norm_befor_fc=True)
 
 
-@needs_target
 def test_new_drafter_gemma_target(tmp_path):
     from peagle_jax.target import load_target
 

@@ -188,8 +188,6 @@ def test_vllm_variants(tmp_path):
 
 
 def test_golden_speculators_exports(tmp_path):
-    if not GOLDEN.is_dir():
-        pytest.skip("golden vectors not found")
     d = load_drafter(GOLDEN)
     assert detect_format(GOLDEN) == "speculators"
     for name, export in (("vllm", export_vllm), ("spec", export_speculators)):
@@ -398,9 +396,7 @@ def test_speculators_aux_ids_default_to_the_verifiers(tmp_path):
             }
         )
     )
-    cfg = json.loads(json.dumps(json.loads((GOLDEN / "config.json").read_text()))) if GOLDEN.is_dir() else None
-    if cfg is None:
-        pytest.skip("golden vectors not found")
+    cfg = json.loads((GOLDEN / "config.json").read_text())
     cfg.pop("eagle_aux_hidden_state_layer_ids")
     cfg["speculators_config"]["verifier"]["name_or_path"] = "../target"
     folder = tmp_path / "head"

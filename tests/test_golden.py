@@ -20,7 +20,6 @@ from peagle_jax.drafter import load_drafter
 from peagle_jax.models.drafter import cod_rows_forward, draft_to_target, peagle_mask
 from train.loss import argmax_in_draft, draft_loss, teacher_logits
 
-pytestmark = pytest.mark.skipif(not VECTORS.is_dir(), reason=f"golden vectors not found at {VECTORS}")
 TOL = 1e-5
 _cod_jit = jax.jit(lambda gd, st, *a: cod_rows_forward(nnx.merge(gd, st), *a), static_argnums=(0,))
 

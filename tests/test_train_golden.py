@@ -17,7 +17,6 @@ from peagle_jax.drafter_io import speculators_tensors
 from peagle_jax.models.drafter import param_path
 from train.step import loss_and_metrics, split_params
 
-pytestmark = pytest.mark.skipif(not VECTORS.is_dir(), reason=f"golden vectors not found at {VECTORS}")
 GOLDEN_LOSS = 0.5964163
 
 

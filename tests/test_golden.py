@@ -1,4 +1,4 @@
-"""The drafter against golden vectors from vllm-project/speculators 0.9.0 (shared/vectors beside the checkout).
+"""The drafter against golden vectors from vllm-project/speculators 0.9.0 (tests/golden).
 
 peagle-tiny: a 2-layer P-EAGLE head in the speculators layout (Vd 128 of V 256, mask id 255)
 for a tiny random 8-layer Llama target. Rows are fed exactly as the vectors' README says:

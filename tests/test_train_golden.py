@@ -1,5 +1,5 @@
-"""The trainer's loss and gradients on the golden COD rows (shared/vectors/peagle-tiny/train_rows.npz):
-the golden loss (speculators 0.9.0, value 0.5964163) and the same parameter gradients as
+"""The trainer's loss and gradients on the golden COD rows (tests/golden/peagle-tiny/train_rows.npz):
+the golden loss (speculators 0.9.0, stored with the rows) and the same parameter gradients as
 speculators' own PyTorch `PEagleDraftModel` on the same rows."""
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from peagle_jax.drafter import load_drafter
 from peagle_jax.drafter_io import speculators_tensors
 from peagle_jax.models.drafter import param_path
 from train.step import loss_and_metrics, split_params
-
-GOLDEN_LOSS = 0.5964163
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +75,7 @@ def _our_loss_and_grads(golden, attention="dense"):
 
 def test_one_step_gives_the_golden_loss(golden):
     _, loss, m, _ = _our_loss_and_grads(golden)
-    assert abs(loss - GOLDEN_LOSS) < 1e-6, loss
+    assert abs(loss - float(golden[0]["loss"])) < 1e-6, loss
     np.testing.assert_array_equal(np.asarray(m["total"]), [13, 8, 5, 3])
 
 
@@ -119,7 +117,7 @@ def test_gradients_match_speculators(golden, monkeypatch):
         loss_config={"kl_div": (kl_div_loss, 1.0)},
     )  # eager: no Triton
     their_loss.backward()
-    assert abs(float(their_loss) - GOLDEN_LOSS) < 1e-6
+    assert abs(float(their_loss) - float(rows["loss"])) < 1e-6
     assert abs(loss - float(their_loss)) < 1e-6
 
     ours = speculators_tensors(

@@ -1,8 +1,8 @@
 """GPU check for a lent device (H200 / any CUDA GPU): correctness + timings, < 8 minutes.
 
-    python -m kernels.gpu_check [--json gpu_check.json] [--n 4096 8192 16384]
-    python -m kernels.gpu_check --parts decode      # only the decode kernel (tests + timings)
-    python -m kernels.gpu_check --smoke      # CPU dry run of this script (interpret mode)
+    python bench/gpu_check.py [--json gpu_check.json] [--n 4096 8192 16384]
+    python bench/gpu_check.py --parts decode      # only the decode kernel (tests + timings)
+    python bench/gpu_check.py --smoke      # CPU dry run of this script (interpret mode)
 
 1. Runs the ``gpu``-marked tests of tests/kernels/test_kernels_gpu.py and
    tests/kernels/test_kernels_decode_pallas.py natively (Pallas Triton kernels vs the dense
@@ -112,9 +112,9 @@ def run_decode_timings(
 
     import jax
     import jax.numpy as jnp
+    from kernel_cases import rel_err
 
     from kernels import decode, decode_gpu, dense
-    from kernels.testing import rel_err
 
     dtype = jnp.float32 if smoke else jnp.bfloat16
     scale = d**-0.5
@@ -256,7 +256,7 @@ def main(argv=None):
     p.add_argument("--json", default="gpu_check.json")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: tiny sizes, Pallas in interpret mode, no tests")
     args = p.parse_args(argv)
-    sys.path.insert(0, ROOT)
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "kernels")]  # the project; the kernel tests' cases
     import jax
 
     if args.smoke:

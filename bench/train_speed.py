@@ -244,7 +244,7 @@ def category(name: str, shapes: list[tuple[int, ...]], info: dict) -> str:
     return "other"
 
 
-def summarize(ops: dict[str, tuple[float, list]], info: dict, top: int) -> dict:
+def op_profile(ops: dict[str, tuple[float, list]], info: dict, top: int) -> dict:
     """{name: (ms, shapes)} -> total, per category, the top ops."""
     total = sum(ms for ms, _ in ops.values()) or 1.0
     cats: dict[str, float] = {}
@@ -271,7 +271,7 @@ def profile_theirs(step, info: dict, top: int) -> dict:
         name = f"{e.key} {shapes[:3]}" if shapes else e.key
         ms = ops.get(name, (0.0, shapes))[0] + e.self_cpu_time_total / 1e3
         ops[name] = (ms, shapes)
-    return summarize(ops, info, top)
+    return op_profile(ops, info, top)
 
 
 def profile_ours(step, hlo: str, info: dict, top: int) -> dict | str:
@@ -345,7 +345,7 @@ def profile_ours(step, hlo: str, info: dict, top: int) -> dict | str:
         if comp in looped:  # the only loops in the step: the blockwise attention kernels' block loops
             label += " [attention block loop]"
         ops[label] = (ms, shapes)
-    return summarize(ops, info, top)
+    return op_profile(ops, info, top)
 
 
 def measure(length: int, a) -> dict:

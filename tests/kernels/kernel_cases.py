@@ -1,4 +1,4 @@
-"""Helpers shared by the kernel tests and the GPU check script (not used by the kernels).
+"""Helpers shared by the kernel tests and bench/gpu_check.py (not part of the kernels).
 
 A `Case` is a small random attention problem with COD / causal metadata, sized so that
 interpret-mode Pallas runs quickly on CPU. `check_backend` runs one backend forward and
@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .api import attention
-from .layouts import cod_layout, pad_layout
-from .spec import AttentionSpec
+from kernels.api import attention
+from kernels.layouts import cod_layout, pad_layout
+from kernels.spec import AttentionSpec
 
 # max |x - ref| / max |ref| per dtype (f32 ~1e-5, bf16 ~1e-2, as the brief asks)
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2}

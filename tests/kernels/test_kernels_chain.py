@@ -9,12 +9,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import kernel_cases as kt
 import numpy as np
 import pytest
 
 import kernels
 from kernels import chain
-from kernels import testing as kt
 from kernels.layouts import cod_layout, cod_sample, pad_layout
 from kernels.schedule import build_schedule, pad_rows
 

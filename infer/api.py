@@ -4,6 +4,6 @@ Defined in `peagle_jax.generation` (the trainer evaluates heads with it too); th
 its public home for users: `from infer import SpeculativeDecoder`.
 """
 
-from peagle_jax.generation import GenerationResult, SpeculativeDecoder, acceptance_stats, encode_prompt
+from peagle_jax.generation import GenerationResult, SpeculativeDecoder, acceptance_stats, prompt_tokens
 
-__all__ = ["SpeculativeDecoder", "GenerationResult", "acceptance_stats", "encode_prompt"]
+__all__ = ["SpeculativeDecoder", "GenerationResult", "acceptance_stats", "prompt_tokens"]

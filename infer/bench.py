@@ -25,8 +25,8 @@ from tqdm import tqdm
 from peagle_jax import cache as kv
 from peagle_jax import speculative as sp
 from peagle_jax.folders import atomic_write_text
-from peagle_jax.generation import SpeculativeDecoder, encode_prompt
-from peagle_jax.prompts import load_prompts
+from peagle_jax.generation import SpeculativeDecoder
+from peagle_jax.prompts import load_prompts, prompt_ids
 
 
 @dataclasses.dataclass
@@ -102,16 +102,10 @@ def _batches(items, size):
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
-def prompt_ids(target, source: str, limit: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
+def source_prompt_ids(target, source: str, limit: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
     """Token ids of the prompts of `source` (mtbench | humaneval | a JSONL file) in the target's
     format; with `max_tokens`, longer prompts are left out; at most `limit` of them."""
-    ids = []
-    for conversation in load_prompts(source):
-        row = encode_prompt(target.tokenizer, conversation)
-        if max_tokens is None or len(row) <= max_tokens:
-            ids.append(row)
-        if limit is not None and len(ids) >= limit:
-            break
+    ids = prompt_ids(target.tokenizer, load_prompts(source), max_tokens, limit)
     if not ids:
         raise ValueError(f"--prompts {source}: no prompts" + (f" of at most {max_tokens} tokens" if max_tokens else ""))
     return ids
@@ -168,7 +162,7 @@ def compare(
     baseline = _totals([r["base"] for r in per_batch])
     summaries = []
     for i, (h, k, dec) in enumerate(runs):
-        summary = summarize([r["base"] for r in per_batch], [r["runs"][i] for r in per_batch], dec.k, batch_size)
+        summary = head_summary([r["base"] for r in per_batch], [r["runs"][i] for r in per_batch], dec.k, batch_size)
         summary.update(head=h.label, mode=h.mode, k=k, prompts=len(prompts))
         summary.update(round_breakdown(dec, batches[0]))
         summary["drafter_ms"] = summary.get("drafter_ms_per_round", 0.0)
@@ -192,7 +186,7 @@ def _totals(stats: list[dict]) -> dict:
     return {"new_tokens": new, "seconds": seconds, "tokens_per_second": new / seconds}
 
 
-def summarize(base: list[dict], spec: list[dict], k: int, batch_size: int) -> dict:
+def head_summary(base: list[dict], spec: list[dict], k: int, batch_size: int) -> dict:
     """One head at one K over every batch: token-weighted speeds, round-weighted acceptance."""
     b, s = _totals(base), _totals(spec)
     rounds = sum(x["rounds"] for x in spec)
@@ -219,7 +213,7 @@ def summarize(base: list[dict], spec: list[dict], k: int, batch_size: int) -> di
 def run_bench(args, target, heads: list[Head], stop_token_ids=None) -> dict:
     """The command: `compare` on `--prompts`, a table on stdout, everything in `--json`. With
     one head and one K the summary's keys also sit at the top level (the single-drafter form)."""
-    ids = prompt_ids(target, args.prompts, args.limit, args.max_prompt_tokens)
+    ids = source_prompt_ids(target, args.prompts, args.limit, args.max_prompt_tokens)
     result = compare(
         target,
         heads,

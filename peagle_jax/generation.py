@@ -81,7 +81,7 @@ def _token_ids(prompt, where: str) -> list[int]:
     return [int(t) for t in ids]
 
 
-def encode_prompt(tokenizer, prompt: Prompt, where: str = "prompt") -> list[int]:
+def prompt_tokens(tokenizer, prompt: Prompt, where: str = "prompt") -> list[int]:
     """Token ids of one prompt: ids (a list, or a 1-D NumPy / JAX array) pass through; strings
     and conversations go through `peagle_jax.chat.encode_prompt` (the chat template when
     the tokenizer has one)."""
@@ -179,7 +179,7 @@ class SpeculativeDecoder:
     # ---------------------------------------------------------------- batching
 
     def _batch(self, prompts, max_new_tokens: int):
-        ids = [encode_prompt(self.target.tokenizer, p, f"prompt {i}") for i, p in enumerate(as_prompt_list(prompts))]
+        ids = [prompt_tokens(self.target.tokenizer, p, f"prompt {i}") for i, p in enumerate(as_prompt_list(prompts))]
         if not ids:
             raise ValueError("no prompts")
         vocab = self.target.config.vocab_size

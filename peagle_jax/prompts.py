@@ -38,9 +38,9 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
-from peagle_jax.chat import Conversation, user_turn
+from peagle_jax.chat import Conversation, encode_prompt, user_turn
 
-__all__ = ["DATA_DIR", "PROMPT_SETS", "load_prompts"]
+__all__ = ["DATA_DIR", "PROMPT_SETS", "load_prompts", "prompt_ids"]
 
 DATA_DIR = pathlib.Path(__file__).resolve().parent / "data"
 MTBENCH_FILE = DATA_DIR / "mt_bench_questions.jsonl"
@@ -136,3 +136,16 @@ def load_prompts(source: str | os.PathLike, limit: int | None = None) -> list[Co
             )
         conversations = _load_jsonl(path)
     return conversations if limit is None else conversations[:limit]
+
+
+def prompt_ids(tokenizer, conversations, max_tokens: int | None = None, limit: int | None = None) -> list[list[int]]:
+    """Token ids of `conversations` in the trainer's prompt format (`peagle_jax.chat.encode_prompt`);
+    prompts over `max_tokens` are left out; at most `limit` of them."""
+    out = []
+    for conversation in conversations:
+        ids = encode_prompt(tokenizer, conversation)
+        if max_tokens is None or len(ids) <= max_tokens:
+            out.append(ids)
+        if limit is not None and len(out) >= limit:
+            break
+    return out

@@ -10,7 +10,7 @@ import pytest
 
 import peagle_jax as pj
 from infer.__main__ import main, parse_args
-from infer.bench import summarize
+from infer.bench import head_summary
 from train.tiny import build_tiny_target
 
 
@@ -64,7 +64,7 @@ def test_mismatches_are_counted_prompt_by_prompt():
         {"new_tokens": 8, "seconds": 0.5, "tokens_per_second": 16.0, "rounds": 2, "acceptance_length": 1.0,
          "per_position_acceptance": [0.0, 0.0], "same": [False]},
     ]  # fmt: skip
-    s = summarize(base, spec, k=2, batch_size=2)
+    s = head_summary(base, spec, k=2, batch_size=2)
     assert s["greedy_mismatches"] == 2 and s["identical_greedy_outputs"] is False
     assert s["speedup"] == pytest.approx(2.0)
     assert s["acceptance_length"] == pytest.approx((2.0 * 4 + 1.0 * 2) / 6)

@@ -13,20 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from peagle_jax.chat import encode_prompt
 from peagle_jax.generation import SpeculativeDecoder
 
-__all__ = ["prompt_ids", "measure"]
-
-
-def prompt_ids(tokenizer, conversations, max_prompt: int) -> list[list[int]]:
-    """Encoded prompts; ones longer than max_prompt tokens are left out."""
-    out = []
-    for conv in conversations:
-        ids = encode_prompt(tokenizer, conv)
-        if len(ids) <= max_prompt:
-            out.append(ids)
-    return out
+__all__ = ["measure"]
 
 
 def _run(dec: SpeculativeDecoder, prompts, max_new: int):

@@ -317,9 +317,10 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
 
 def measure_speed(cfg: C.TrainConfig, target, head, log) -> dict:
     """Acceptance length and speed against plain decoding on cfg.eval's prompts, per K."""
-    from train.evaluate import measure, prompt_ids
+    from peagle_jax.prompts import prompt_ids
+    from train.evaluate import measure
 
-    prompts = prompt_ids(target.tokenizer, _eval_conversations(cfg), max_prompt=256)
+    prompts = prompt_ids(target.tokenizer, _eval_conversations(cfg), max_tokens=256)
     log(f"evaluating on {len(prompts)} {cfg.eval.prompts} prompts, K={list(cfg.eval.ks)}")
     ev = measure(target, head, prompts, ks=cfg.eval.ks, mode=cfg.model.mode, max_new=cfg.eval.max_new_tokens)
     log("evaluated")

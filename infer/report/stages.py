@@ -1,0 +1,138 @@
+"""The stage records (WORK/stages/NAME.json) and the stages that run the trainer as a subprocess
+(`python -m train`): data and the training of each head."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from infer.report.common import log
+from peagle_jax.folders import atomic_write_text
+
+
+class Stages:
+    """WORK/stages/NAME.json: what a finished stage made, with the settings it was made with."""
+
+    def __init__(self, work: Path):
+        self.folder = work / "stages"
+
+    def path(self, name: str) -> Path:
+        return self.folder / f"{name}.json"
+
+    def reuse(self, name: str, settings: dict) -> dict | None:
+        """The record of a finished stage (None: not finished). Made with other settings: an
+        error naming the flag."""
+        path = self.path(name)
+        if not path.exists():
+            return None
+        record = json.loads(path.read_text())
+        for flag, value in settings.items():
+            old = record["settings"].get(flag)
+            if old != value:
+                raise ValueError(
+                    f"{flag}: stage {name} in {path.parent.parent} was made with {flag} {old} (now {value}): "
+                    f"use another --work, or delete {path} to redo the stage"
+                )
+        log(f"stage {name}: reused ({path})")
+        return record
+
+    def finish(self, name: str, settings: dict, seconds: float, **data) -> dict:
+        record = {"stage": name, "settings": settings, "seconds": seconds, **data}
+        atomic_write_text(self.path(name), json.dumps(record, indent=1))
+        log(f"stage {name}: done in {seconds:.1f} s")
+        return record
+
+
+def trainer_command(args, out: Path, mode: str, steps: int, target: str) -> list[str]:
+    cmd = [sys.executable, "-m", "train", *args.train_flags]
+    cmd += ["--out", str(out), "--model.target", target, "--model.mode", mode, "--loop.steps", str(steps)]
+    cmd += ["--data.batch_size", str(args.batch_size), "--data.heldout", str(args.heldout)]
+    if args.regenerate:  # the conversations the steps use (+ held out), each regenerated once
+        conversations = round(1.1 * args.steps * args.batch_size) + args.heldout
+        cmd += ["--data.regenerate", "True", "--data.max_conversations", str(conversations)]
+        cmd += ["--data.regenerate_tokens", str(args.regenerate_tokens)]
+    return cmd + ["--eval.enabled", "False", "--loop.progress", "False"]
+
+
+def shown(cmd: list[str]) -> str:
+    return shlex.join(["python", *cmd[1:]] if cmd and cmd[0] == sys.executable else cmd)
+
+
+def run_trainer(cmd: list[str], logfile: Path) -> dict:
+    """Runs `python -m train` (its output in `logfile`); its OUT/summary.json."""
+    logfile.parent.mkdir(parents=True, exist_ok=True)
+    log(f"running {shown(cmd)} (log: {logfile})")
+    with logfile.open("a") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait()
+        except BaseException:  # interrupted: stop the trainer too (it resumes from its checkpoint)
+            proc.terminate()
+            proc.wait()
+            raise
+    if code != 0:
+        errors = [ln for ln in logfile.read_text().splitlines() if ln.startswith("error:")]
+        why = errors[-1] if errors else f"exit status {code}"
+        raise RuntimeError(f"python -m train failed ({why}); see {logfile}")
+    out = Path(cmd[cmd.index("--out") + 1])
+    return json.loads((out / "summary.json").read_text())
+
+
+def stage_data(args, stages: Stages, work: Path) -> dict:
+    settings = {"--smoke": args.smoke, "--target": args.target, "--regenerate": args.regenerate}
+    if args.regenerate:
+        settings["--budget"] = args.budget
+    record = stages.reuse("data", settings)
+    if record is not None:
+        return record
+    t0 = time.perf_counter()
+    cmd = trainer_command(args, work / "data", "parallel", 1, args.target) + ["--data.prepare_only", "true"]
+    summary = run_trainer(cmd, work / "logs" / "data.log")
+    regenerated = work / "data" / "regenerated.jsonl"
+    return stages.finish(
+        "data",
+        settings,
+        time.perf_counter() - t0,
+        commands=[shown(cmd)],
+        target=summary["target"],
+        data=summary["data"],
+        regenerated=str(regenerated) if args.regenerate else None,
+    )
+
+
+def train_settings(args) -> dict:
+    return {"--smoke": args.smoke, "--target": args.target, "--regenerate": args.regenerate, "--budget": args.budget}
+
+
+def eval_settings(args) -> dict:
+    return {
+        **train_settings(args),
+        "--prompts-per-set": args.prompts_per_set,
+        "--max-new-tokens": args.max_new_tokens,
+        "--max-prompt-tokens": args.max_prompt_tokens,
+        "--ks": args.ks,
+    }
+
+
+def stage_train(args, stages: Stages, work: Path, data: dict, mode: str) -> dict:
+    name = f"train-{mode}"
+    record = stages.reuse(name, train_settings(args))
+    if record is not None:
+        return record
+    t0 = time.perf_counter()
+    out = work / "heads" / mode
+    if data["regenerated"]:  # the answers of stage data: the trainer finds them all done
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / "regenerated.jsonl").exists():
+            tmp = out / "regenerated.jsonl.tmp"
+            shutil.copyfile(data["regenerated"], tmp)
+            os.replace(tmp, out / "regenerated.jsonl")
+    cmd = trainer_command(args, out, mode, args.steps, data["target"])
+    summary = run_trainer(cmd, work / "logs" / f"{name}.log")
+    return stages.finish(name, train_settings(args), time.perf_counter() - t0, commands=[shown(cmd)], summary=summary)

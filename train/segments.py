@@ -131,108 +131,135 @@ def segmented_loss(
     """(loss, metrics, grads) of one batch over the segments of batch["seg_rows"]: the same
     values as `train.step.loss_and_metrics` (and its gradient) computed in one flat pass;
     grads is None without `with_grads` (evaluation)."""
-    anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
-    bsz, n = anchor.shape
-    length = aux.shape[1]
-    seg_rows = jnp.moveaxis(jnp.asarray(batch["seg_rows"], jnp.int32), 1, 0)  # [S, B, R]
-    nseg, _, r = seg_rows.shape
-    bounds = jnp.asarray(segment_bounds(length, nseg))
-    c0 = -(-length // nseg)  # depth-0 rows a segment owns, at most
-    backend = "auto" if attention_for(attention, length + r) == "kernels" else "dense"
+    sp = SegmentedPass(parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention)
+    if with_grads:
+        (pre0, kv0), depth0_vjp = jax.vjp(sp.depth0, params)
+    else:
+        pre0, kv0 = sp.depth0(params)
+    f32 = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
+    zeros_k = jnp.zeros((k,), jnp.float32)
+    gacc0 = f32((params, pre0, kv0)) if with_grads else None
+    init = (gacc0, jnp.zeros((), jnp.float32), zeros_k, zeros_k, jnp.zeros((sp.bsz, sp.n), bool))
+    body = functools.partial(sp.scan_body, params, pre0, kv0, with_grads)
+    (gacc, loss, correct, total, hit), _ = jax.lax.scan(body, init, (jnp.arange(sp.nseg), sp.seg_rows))
+    grads = None
+    if with_grads:  # the segments' gradients, plus the depth-0 pass's from their summed cotangents
+        g_params, g_pre0, g_kv0 = gacc
+        cast = functools.partial(jax.tree.map, lambda g, x: g.astype(x.dtype))
+        (g_depth0,) = depth0_vjp((cast(g_pre0, pre0), cast(g_kv0, kv0)))
+        grads = jax.tree.map(lambda a, b, x: (a + b.astype(jnp.float32)).astype(x.dtype), g_params, g_depth0, params)
+    metrics = {"loss": loss, "correct": correct, "total": total, "hit": hit, "sup": sp.sup}
+    return loss, metrics, grads
 
-    tokens = batch["tokens"]
-    row_tok = next_rows(tokens)  # row t: x[t + 1]
-    y_next = next_rows(y)  # row t's teacher: the target at t + 1
-    ref_all = jnp.clip(anchor + depth, 0, length - 1)
-    sup = take_rows(batch["sup"], ref_all) & (doc >= 0)
-    # whole-batch counts: every segment divides by these, so the segments sum to the flat loss
-    counts = jnp.sum(jax.nn.one_hot(depth, k, dtype=jnp.float32) * sup[..., None], axis=(0, 1))  # [k]
-    rows_total = jnp.sum(sup.astype(jnp.float32))
-    present = (counts > 0).astype(jnp.float32)
-    depth_weight = present / jnp.maximum(counts, 1.0) / jnp.maximum(jnp.sum(present), 1.0)
 
-    ctx_a, ctx_d, ctx_c = anchor[:, :length], depth[:, :length], doc[:, :length]
+class SegmentedPass:
+    """What every segment of one batch shares (traced arrays and static sizes), and the passes:
+    the depth-0 rows once (`depth0`), then each segment's own rows (`parallel` / `chain`)."""
 
-    def depth0(p):
+    def __init__(self, parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention):
+        self.parts, self.frozen, self.aux, self.head_w, self.batch = parts, frozen, aux, head_w, batch
+        self.mode, self.k, self.per_depth, self.chain_decay, self.softcap = mode, k, per_depth, chain_decay, softcap
+        anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
+        self.anchor, self.depth, self.doc = anchor, depth, doc
+        self.bsz, self.n = anchor.shape
+        length = self.length = aux.shape[1]
+        self.seg_rows = jnp.moveaxis(jnp.asarray(batch["seg_rows"], jnp.int32), 1, 0)  # [S, B, R]
+        self.nseg, _, self.r = self.seg_rows.shape
+        self.bounds = jnp.asarray(segment_bounds(length, self.nseg))
+        self.c0 = -(-length // self.nseg)  # depth-0 rows a segment owns, at most
+        self.backend = "auto" if attention_for(attention, length + self.r) == "kernels" else "dense"
+        self.row_tok = next_rows(batch["tokens"])  # row t: x[t + 1]
+        self.y_next = next_rows(y)  # row t's teacher: the target at t + 1
+        ref_all = jnp.clip(anchor + depth, 0, length - 1)
+        self.sup = sup = take_rows(batch["sup"], ref_all) & (doc >= 0)
+        # whole-batch counts: every segment divides by these, so the segments sum to the flat loss
+        self.counts = counts = jnp.sum(jax.nn.one_hot(depth, k, dtype=jnp.float32) * sup[..., None], axis=(0, 1))
+        self.rows_total = jnp.sum(sup.astype(jnp.float32))
+        present = (counts > 0).astype(jnp.float32)
+        self.depth_weight = present / jnp.maximum(counts, 1.0) / jnp.maximum(jnp.sum(present), 1.0)
+        self.ctx = (anchor[:, :length], depth[:, :length], doc[:, :length])
+
+    def depth0(self, p):
         """The depth-0 rows, once for every segment: pre-norm states [B, L, H] and per layer the
         (k, v) the segments' deeper rows attend to."""
-        model = parts.merge(p, frozen)
-        hidden = aux.astype(model.mask_hidden.dtype if mode == "parallel" else jnp.float32)
+        model = self.parts.merge(p, self.frozen)
+        ctx_a, ctx_d, ctx_c = self.ctx
+        hidden = self.aux.astype(model.mask_hidden.dtype if self.mode == "parallel" else jnp.float32)
         spec = kernels.AttentionSpec.peagle(ctx_a, ctx_d, ctx_c)
         g = model.fuse(hidden)
-        context = model.empty_context(bsz, g.dtype)
-        res = model(row_tok, g, jnp.where(ctx_c >= 0, ctx_a, -1), None, spec, backend, context=context)
+        context = model.empty_context(self.bsz, g.dtype)
+        positions = jnp.where(ctx_c >= 0, ctx_a, -1)
+        res = model(self.row_tok, g, positions, None, spec, self.backend, context=context)
         return res.prenorm, res.cache
 
-    def rows_of(s, idx):
+    def rows_of(self, s, idx):
         """Metadata of the segment's deeper rows (R) and the depth-0 rows it owns."""
+        n, length, c0 = self.n, self.length, self.c0
         valid = idx < n
         ii = jnp.minimum(idx, n - 1)
-        a, d = take_rows(anchor, ii), take_rows(depth, ii)
-        c = jnp.where(valid, take_rows(doc, ii), -1)
+        a, d = take_rows(self.anchor, ii), take_rows(self.depth, ii)
+        c = jnp.where(valid, take_rows(self.doc, ii), -1)
         # the depth-0 rows it owns: one static-size slice, rows outside [lo, hi) masked
-        start = jnp.minimum(bounds[s], length - c0)
+        start = jnp.minimum(self.bounds[s], length - c0)
         own0 = start + jnp.arange(c0)
-        owned0 = (own0 >= bounds[s]) & (own0 < bounds[s + 1])
+        owned0 = (own0 >= self.bounds[s]) & (own0 < self.bounds[s + 1])
         return a, d, c, valid, own0, owned0
 
-    def spec_over_context(q, rows):
+    def spec_over_context(self, q, rows):
         """The P-EAGLE rule for query rows q = (anchor, depth, doc) over the depth-0 rows, then
         `rows` (the segment's rows run so far, q's last)."""
         cat = functools.partial(jnp.concatenate, axis=1)
-        kv = (cat([ctx, x]) for ctx, x in zip((ctx_a, ctx_d, ctx_c), rows))
-        return kernels.AttentionSpec.make(*q, *kv, chain_depth=k - 1)
+        kv = (cat([ctx, x]) for ctx, x in zip(self.ctx, rows))
+        return kernels.AttentionSpec.make(*q, *kv, chain_depth=self.k - 1)
 
-    def row_loss(model, pre, la, ld, lc, owned, weight):
+    def row_loss(self, model, pre, la, ld, lc, owned, weight):
         """(sum of weight x KL, hits, mask) of loss rows from their pre-norm states (teacher per
         row, at ref); weight: per row [B, R] or one for all."""
-        ref = jnp.clip(la + ld, 0, length - 1)
-        teacher = teacher_logits(take_rows(y_next, ref), head_w, None, softcap=softcap)  # the loss normalises
-        mask = take_rows(batch["sup"], ref) & (lc >= 0) & owned
+        ref = jnp.clip(la + ld, 0, self.length - 1)
+        teacher = teacher_logits(take_rows(self.y_next, ref), self.head_w, None, softcap=self.softcap)
+        mask = take_rows(self.batch["sup"], ref) & (lc >= 0) & owned  # the loss normalises the teacher
         out = fused_draft_loss(*model.head_inputs(pre), teacher, mask, row_weight=weight)
         return out.loss, out.hit, mask.astype(jnp.float32)
 
-    def parallel(model, s, idx, pre0, kv0):
-        a, d, c, valid, own0, owned0 = rows_of(s, idx)
+    def parallel(self, model, s, idx, pre0, kv0):
+        bsz, c0 = self.bsz, self.c0
+        a, d, c, valid, own0, owned0 = self.rows_of(s, idx)
         positions = jnp.where(c >= 0, a + d, -1)
-        spec = spec_over_context((a, d, c), (a, d, c))
-        every_row_the_slot = jnp.full((bsz, r), -1, jnp.int32)  # deeper rows: the mask slot's inputs
-        res = model(None, None, positions, None, spec, backend, context=kv0, source=every_row_the_slot)
+        spec = self.spec_over_context((a, d, c), (a, d, c))
+        every_row_the_slot = jnp.full((bsz, self.r), -1, jnp.int32)  # deeper rows: the mask slot's inputs
+        res = model(None, None, positions, None, spec, self.backend, context=kv0, source=every_row_the_slot)
         owned = jnp.concatenate([jnp.broadcast_to(owned0, (bsz, c0)), valid], axis=1)
         la = jnp.concatenate([jnp.broadcast_to(own0, (bsz, c0)), a], axis=1)
         ld = jnp.concatenate([jnp.zeros((bsz, c0), d.dtype), d], axis=1)
-        lc = jnp.concatenate([take_rows(ctx_c, own0), c], axis=1)
+        lc = jnp.concatenate([take_rows(self.ctx[2], own0), c], axis=1)
         pre = jnp.concatenate([take_rows(pre0, own0), res.prenorm], axis=1)  # logits never built for all rows
-        weight = jnp.take(depth_weight, ld) if per_depth else 1.0 / (rows_total + EPS)
-        loss, hit, mask = row_loss(model, pre, la, ld, lc, owned, weight)
-        onehot = jax.nn.one_hot(ld, k, dtype=jnp.float32)
+        weight = jnp.take(self.depth_weight, ld) if self.per_depth else 1.0 / (self.rows_total + EPS)
+        loss, hit, mask = self.row_loss(model, pre, la, ld, lc, owned, weight)
+        onehot = jax.nn.one_hot(ld, self.k, dtype=jnp.float32)
         return loss, (onehot, hit, mask, owned, own0)
 
-    def chain(model, s, idx, pre0, kv0):
-        a, d, c, valid, own0, owned0 = rows_of(s, idx)
-        width = r // (k - 1) if k > 1 else 0
-        tok = take_rows(row_tok, jnp.clip(a + d, 0, length - 1))  # teacher-forced tokens at every step
+    def chain(self, model, s, idx, pre0, kv0):
+        bsz, c0, k, length = self.bsz, self.c0, self.k, self.length
+        a, d, c, valid, own0, owned0 = self.rows_of(s, idx)
+        width = self.r // (k - 1) if k > 1 else 0
+        tok = take_rows(self.row_tok, jnp.clip(a + d, 0, length - 1))  # teacher-forced tokens at every step
         # step 0 is the depth-0 pass; its states at step 1's anchors feed step 1
-        loss, hit, mask = row_loss(
-            model,
-            take_rows(pre0, own0),
-            own0,
-            jnp.zeros_like(own0),
-            take_rows(ctx_c, own0),
-            owned0,
-            1 / (counts[0] + EPS),
-        )
+        ctx_c0 = take_rows(self.ctx[2], own0)
+        w0 = 1 / (self.counts[0] + EPS)
+        loss, hit, mask = self.row_loss(model, take_rows(pre0, own0), own0, jnp.zeros_like(own0), ctx_c0, owned0, w0)
         hits, masks, owns = [hit], [mask], [jnp.broadcast_to(owned0, (bsz, c0))]
         hidden = model.feedback(take_rows(pre0, jnp.clip(a[:, :width], 0, length - 1)))
         context = kv0
         for j in range(1, k):  # step j runs its own rows over the keys the earlier steps left
             lo, hi = (j - 1) * width, j * width
             aj, dj, cj = a[:, lo:hi], d[:, lo:hi], c[:, lo:hi]
-            spec = spec_over_context((aj, dj, cj), (a[:, :hi], d[:, :hi], c[:, :hi]))
-            res = model(tok[:, lo:hi], hidden, jnp.where(cj >= 0, aj + dj, -1), None, spec, backend, context=context)
+            spec = self.spec_over_context((aj, dj, cj), (a[:, :hi], d[:, :hi], c[:, :hi]))
+            positions = jnp.where(cj >= 0, aj + dj, -1)
+            res = model(tok[:, lo:hi], hidden, positions, None, spec, self.backend, context=context)
             context = model.extend_context(context, res.cache)
             own = valid[:, lo:hi]
-            lj, hit, mask = row_loss(model, res.prenorm, aj, dj, cj, own, chain_decay**j / (counts[j] + EPS))
+            wj = self.chain_decay**j / (self.counts[j] + EPS)
+            lj, hit, mask = self.row_loss(model, res.prenorm, aj, dj, cj, own, wj)
             loss = loss + lj
             hidden = model.feedback(res.prenorm)
             hits.append(hit), masks.append(mask), owns.append(own)
@@ -240,43 +267,25 @@ def segmented_loss(
         hit, mask, owned = (jnp.concatenate(x, axis=1) for x in (hits, masks, owns))
         return loss, (onehot, hit, mask, owned, own0)
 
-    def segment(p, s, idx, pre0, kv0):
-        model = parts.merge(p, frozen)
-        return (parallel if mode == "parallel" else chain)(model, s, idx, pre0, kv0)
+    def segment(self, p, s, idx, pre0, kv0):
+        model = self.parts.merge(p, self.frozen)
+        return (self.parallel if self.mode == "parallel" else self.chain)(model, s, idx, pre0, kv0)
 
-    if with_grads:
-        (pre0, kv0), depth0_vjp = jax.vjp(depth0, params)
-    else:
-        pre0, kv0 = depth0(params)
-    f32 = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
-
-    def body(carry, xs):
+    def scan_body(self, params, pre0, kv0, with_grads, carry, xs):
+        """One segment: its loss, gradients (accumulated in float32), counts and hits."""
         gacc, loss, correct, total, hit_all = carry
         s, idx = xs
         if with_grads:
-            (ls, (onehot, hit, mask, owned, own0)), g = jax.value_and_grad(segment, argnums=(0, 3, 4), has_aux=True)(
-                params, s, idx, pre0, kv0
-            )
+            grad_fn = jax.value_and_grad(self.segment, argnums=(0, 3, 4), has_aux=True)
+            (ls, (onehot, hit, mask, owned, own0)), g = grad_fn(params, s, idx, pre0, kv0)
             gacc = jax.tree.map(lambda acc, x: acc + x.astype(jnp.float32), gacc, g)
         else:
-            ls, (onehot, hit, mask, owned, own0) = segment(params, s, idx, pre0, kv0)
+            ls, (onehot, hit, mask, owned, own0) = self.segment(params, s, idx, pre0, kv0)
         weighted = onehot * mask[..., None]
         correct = correct + jnp.sum(weighted * hit[..., None], axis=(0, 1))
         total = total + jnp.sum(weighted, axis=(0, 1))
         # hits back to the batch's row order (rows not owned here go to index n: dropped)
-        dest = jnp.where(owned, jnp.concatenate([jnp.broadcast_to(own0, (bsz, c0)), idx], axis=1), n)
+        bsz, c0 = self.bsz, self.c0
+        dest = jnp.where(owned, jnp.concatenate([jnp.broadcast_to(own0, (bsz, c0)), idx], axis=1), self.n)
         hit_all = hit_all.at[jnp.arange(bsz)[:, None], dest].set(hit, mode="drop")
         return (gacc, loss + ls, correct, total, hit_all), None
-
-    zeros_k = jnp.zeros((k,), jnp.float32)
-    gacc0 = f32((params, pre0, kv0)) if with_grads else None
-    init = (gacc0, jnp.zeros((), jnp.float32), zeros_k, zeros_k, jnp.zeros((bsz, n), bool))
-    (gacc, loss, correct, total, hit), _ = jax.lax.scan(body, init, (jnp.arange(nseg), seg_rows))
-    grads = None
-    if with_grads:  # the segments' gradients, plus the depth-0 pass's from their summed cotangents
-        g_params, g_pre0, g_kv0 = gacc
-        cast = functools.partial(jax.tree.map, lambda g, x: g.astype(x.dtype))
-        (g_depth0,) = depth0_vjp((cast(g_pre0, pre0), cast(g_kv0, kv0)))
-        grads = jax.tree.map(lambda a, b, x: (a + b.astype(jnp.float32)).astype(x.dtype), g_params, g_depth0, params)
-    metrics = {"loss": loss, "correct": correct, "total": total, "hit": hit, "sup": sup}
-    return loss, metrics, grads

@@ -147,52 +147,71 @@ def loss_and_metrics(
         )
         loss, hit, correct, total = out.loss, out.hit, out.correct, out.total
     else:
-        # the training-time test: step j runs only its own L rows, over the keys and values that
-        # steps 0..j-1 left (`context`), so every row is computed once (k passes of L rows)
-        length = aux.shape[1]
-        hidden = model.fuse(aux.astype(jnp.float32))
-        context = model.empty_context(aux.shape[0], hidden.dtype)
-        loss = jnp.zeros((), jnp.float32)
-        hits, corrects, totals = [], [], []
-        for j in range(k):
-            rows = slice(j * length, (j + 1) * length)
-            a, d, c = anchor[:, rows], depth[:, rows], doc[:, rows]
-            spec = kernels.AttentionSpec.make(
-                a,
-                d,
-                c,
-                anchor[:, : (j + 1) * length],
-                depth[:, : (j + 1) * length],
-                doc[:, : (j + 1) * length],
-                chain_depth=k - 1,
-            )
-            res = model(
-                take_rows(row_tok, jnp.clip(a + d, 0, length - 1)),
-                hidden,
-                jnp.where(c >= 0, a + d, -1),
-                None,
-                spec,
-                "auto" if attention == "kernels" else "dense",
-                context=context,
-            )
-            context = model.extend_context(context, res.cache)
-            o = fused_draft_loss(
-                *model.head_inputs(res.prenorm),
-                next_rows(teacher, j),
-                sup[:, rows],
-                None,
-                num_depths=1,
-                teacher_top=next_rows(top_t, j),
-            )
-            loss = loss + (chain_decay**j) * o.loss
-            hidden = model.feedback(res.prenorm)
-            hits.append(o.hit)
-            corrects.append(o.correct[0])
-            totals.append(o.total[0])
-        hit = jnp.concatenate(hits, axis=1)
-        correct, total = jnp.stack(corrects), jnp.stack(totals)
+        loss, hit, correct, total = chain_objective(
+            model,
+            row_tok,
+            aux,
+            teacher,
+            top_t,
+            sup,
+            anchor,
+            depth,
+            doc,
+            k=k,
+            chain_decay=chain_decay,
+            attention=attention,
+        )
     metrics = {"loss": loss, "correct": correct, "total": total, "hit": hit, "sup": sup}
     return loss, metrics
+
+
+def chain_objective(model, row_tok, aux, teacher, top_t, sup, anchor, depth, doc, *, k, chain_decay, attention):
+    """EAGLE-3's training-time test: (loss, hit, correct, total) of the k steps of rows. Step j
+    runs only its own L rows, over the keys and values that steps 0..j-1 left (`context`), so
+    every row is computed once (k passes of L rows)."""
+    length = aux.shape[1]
+    hidden = model.fuse(aux.astype(jnp.float32))
+    context = model.empty_context(aux.shape[0], hidden.dtype)
+    loss = jnp.zeros((), jnp.float32)
+    hits, corrects, totals = [], [], []
+    for j in range(k):
+        rows = slice(j * length, (j + 1) * length)
+        a, d, c = anchor[:, rows], depth[:, rows], doc[:, rows]
+        spec = kernels.AttentionSpec.make(
+            a,
+            d,
+            c,
+            anchor[:, : (j + 1) * length],
+            depth[:, : (j + 1) * length],
+            doc[:, : (j + 1) * length],
+            chain_depth=k - 1,
+        )
+        res = model(
+            take_rows(row_tok, jnp.clip(a + d, 0, length - 1)),
+            hidden,
+            jnp.where(c >= 0, a + d, -1),
+            None,
+            spec,
+            "auto" if attention == "kernels" else "dense",
+            context=context,
+        )
+        context = model.extend_context(context, res.cache)
+        o = fused_draft_loss(
+            *model.head_inputs(res.prenorm),
+            next_rows(teacher, j),
+            sup[:, rows],
+            None,
+            num_depths=1,
+            teacher_top=next_rows(top_t, j),
+        )
+        loss = loss + (chain_decay**j) * o.loss
+        hidden = model.feedback(res.prenorm)
+        hits.append(o.hit)
+        corrects.append(o.correct[0])
+        totals.append(o.total[0])
+    hit = jnp.concatenate(hits, axis=1)
+    correct, total = jnp.stack(corrects), jnp.stack(totals)
+    return loss, hit, correct, total
 
 
 class TrainStep:
@@ -271,6 +290,10 @@ class TrainStep:
         def feats(tstate, tokens, positions):
             return features(target.graphdef, tstate, tokens, positions, aux_ids)
 
+        self._jit(sh, online, from_features, evaluate, feats)
+
+    def _jit(self, sh, online, from_features, evaluate, feats) -> None:
+        """The four programs jitted, with explicit shardings on a mesh (`sh`, else None)."""
         if sh is None:
             self._online = jax.jit(online, donate_argnums=(0, 1))
             self._cached = jax.jit(from_features, donate_argnums=(0, 1))

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from peagle_jax.cli import UsageError
+from train import config as C
 from train.__main__ import main
 from train.config import parse_args
 from train.data import DataError, load_conversations, tokenize
@@ -198,19 +199,81 @@ def test_missing_source_is_one_line(tmp_path, capsys, tiny_target):
     assert "no such file" in _err_line(capsys)
 
 
-def test_changed_settings_refuse_to_resume(tmp_path, capsys, tiny_target):
-    import json
-
-    out = tmp_path / "run"
+def _saved_run(out, tiny_target, checkpoint: bool):
+    """OUT as a run of the tiny preset leaves it: its config.json, and a checkpoint folder or not."""
     out.mkdir()
-    saved = json.loads(
-        json.dumps(
-            __import__("train.config", fromlist=["x"]).to_dict(
-                parse_args(["--preset", "tiny", "--model.target", tiny_target])
-            )
-        )
-    )
+    saved = C.to_dict(parse_args(["--preset", "tiny", "--model.target", tiny_target]))
     (out / "config.json").write_text(json.dumps(saved))
+    if checkpoint:
+        (out / "checkpoints" / "20").mkdir(parents=True)
+
+
+def test_changed_settings_refuse_to_resume(tmp_path, capsys, tiny_target):
+    out = tmp_path / "run"
+    _saved_run(out, tiny_target, checkpoint=True)
     assert main(["--preset", "tiny", "--out", str(out), "--model.target", tiny_target, "--optim.lr", "0.5"]) == 1
     line = _err_line(capsys)
-    assert "optim.lr" in line and "another --out" in line
+    assert "optim.lr" in line
+    assert "another --out" in line
+
+
+BAD_VALUES = [
+    ("--optim.lr", "inf"),
+    ("--optim.lr", "nan"),
+    ("--optim.clip", "-1"),
+    ("--optim.warmup_steps", "-1"),
+    ("--optim.b1", "2"),
+    ("--optim.min_lr_ratio", "1.5"),
+    ("--optim.weight_decay", "-0.1"),
+    ("--loop.epochs", "inf"),
+    ("--loop.eval_every", "-5"),
+    ("--loop.chain_decay", "0"),
+    ("--data.heldout", "-1"),
+    ("--data.max_conversations", "-3"),
+    ("--data.row_factor", "inf"),
+    ("--data.max_anchors", "0"),
+    ("--eval.num_prompts", "0"),
+    ("--eval.max_new_tokens", "0"),
+    ("--eval.ks", "0"),
+    ("--model.mask_token_id", "-2"),
+]
+
+
+@pytest.mark.parametrize("flag,value", BAD_VALUES, ids=[f"{f}={v}" for f, v in BAD_VALUES])
+def test_training_values_are_checked_before_any_work(flag, value, tmp_path, capsys):
+    out = tmp_path / "never"
+    assert main(["--preset", "tiny", "--out", str(out), flag, value]) == 2
+    assert flag[2:] in _err_line(capsys)
+    assert not out.exists()  # refused before OUT was made
+
+
+def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    assert main(["--preset", "tiny", "--out", str(f)]) == 2
+    assert "exists and is not a folder" in _err_line(capsys)
+    assert main(["--preset", "tiny", "--out", str(f / "below")]) == 2
+    assert "--out" in _err_line(capsys)
+
+
+def test_a_run_without_a_checkpoint_leaves_an_out_the_corrected_command_reuses(tmp_path, capsys, tiny_target):
+    out = tmp_path / "run"
+    _saved_run(out, tiny_target, checkpoint=False)
+    flags = ["--preset", "tiny", "--out", str(out), "--model.target", tiny_target, "--eval.enabled", "false"]
+    assert main([*flags, "--optim.lr", "0.002", "--loop.steps", "2", "--loop.progress", "false"]) == 0
+    assert json.loads((out / "config.json").read_text())["optim"]["lr"] == 0.002
+
+
+def test_a_non_finite_loss_stops_training_and_exports_nothing(tmp_path, capsys, tiny_target):
+    out = tmp_path / "nan"
+    flags = ["--preset", "tiny", "--out", str(out), "--model.target", tiny_target, "--eval.enabled", "false"]
+    steps = ["--loop.steps", "8", "--loop.checkpoint_every", "1", "--loop.progress", "false"]
+    assert main([*flags, *steps, "--optim.lr", "1e30", "--optim.warmup_steps", "0"]) == 1
+    line = _err_line(capsys)
+    assert "not finite" in line
+    assert line.startswith("error: step ")
+    step = int(line.split()[2].rstrip(":"))
+    assert not (out / "vllm").exists()
+    assert not (out / "head").exists()
+    kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    assert kept[-1] == step - 1  # the bad step was never checkpointed

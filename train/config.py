@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from peagle_jax.cli import UsageError
+from train.checks import validate
 
-__all__ = ["TrainConfig", "PRESETS", "parse_args", "from_dict", "to_dict", "field_names"]
+__all__ = ["TrainConfig", "PRESETS", "parse_args", "validate", "from_dict", "to_dict", "field_names"]
 
 
 @dataclasses.dataclass
@@ -405,7 +406,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         if e.code in (0, None):
             raise
         raise UsageError(_box_message(errors.getvalue())) from None
-    return validate(cfg)
+    return validate(cfg)  # train.checks
 
 
 _BOOLS = {"true": "True", "yes": "True", "1": "True", "false": "False", "no": "False", "0": "False"}
@@ -438,54 +439,6 @@ def _box_message(text: str) -> str:
             lines.append(inner)
     message = " ".join(lines).replace(" .", ".")
     return f"invalid command line: {message or 'see --help'}"
-
-
-def validate(cfg: TrainConfig) -> TrainConfig:
-    """One-line UsageError for values no run can use."""
-    checks = [
-        (cfg.model.mode in ("parallel", "chain"), f"model.mode must be parallel or chain, got {cfg.model.mode!r}"),
-        (cfg.model.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16: {cfg.model.dtype!r}"),
-        (cfg.model.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype must be float32 or bfloat16"),
-        (
-            all(n >= 1 or n == -1 for n in (cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor))
-            and [cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor].count(-1) <= 1,
-            "mesh.data, mesh.fsdp and mesh.tensor must be >= 1, at most one of them -1 (the rest of the devices)",
-        ),
-        (
-            cfg.dist.num_processes >= 1 and 0 <= cfg.dist.process_id < cfg.dist.num_processes,
-            "dist.process_id must lie in [0, dist.num_processes)",
-        ),
-        (
-            cfg.dist.num_processes == 1 or cfg.dist.coordinator or cfg.dist.auto,
-            "dist.num_processes > 1 needs --dist.coordinator HOST:PORT (or --dist.auto true)",
-        ),
-        (cfg.model.num_layers >= 1, "model.num_layers must be >= 1"),
-        (cfg.model.k_train >= 1, "model.k_train must be >= 1"),
-        (cfg.model.draft_vocab >= 0, "model.draft_vocab must be >= 0"),
-        (cfg.model.attention in ("auto", "kernels", "dense"), "model.attention must be auto, kernels or dense"),
-        (cfg.data.length_buckets in (1, 2, 3), "data.length_buckets must be 1, 2 or 3"),
-        (cfg.data.template in ("auto", "chat", "plain"), "data.template must be auto, chat or plain"),
-        (cfg.data.too_long in ("truncate", "drop"), f"data.too_long must be truncate or drop: {cfg.data.too_long!r}"),
-        (cfg.data.bad_rows in ("skip", "error"), f"data.bad_rows must be skip or error, got {cfg.data.bad_rows!r}"),
-        (cfg.data.max_len >= 16, "data.max_len must be >= 16"),
-        (cfg.data.batch_size >= 1, "data.batch_size must be >= 1"),
-        (cfg.data.row_factor >= 1.0, "data.row_factor must be >= 1"),
-        (0 < cfg.data.cod_r <= 1 and 0 <= cfg.data.cod_r_min <= 1, "data.cod_r and data.cod_r_min must lie in (0, 1]"),
-        (cfg.optim.lr > 0, "optim.lr must be > 0"),
-        (cfg.loop.steps >= 0 and cfg.loop.epochs > 0, "loop.steps must be >= 0 and loop.epochs > 0"),
-        (cfg.loop.checkpoint_every >= 1 and cfg.loop.keep >= 1, "loop.checkpoint_every and loop.keep must be >= 1"),
-        (
-            str(cfg.loop.segments) == "auto" or (str(cfg.loop.segments).isdigit() and int(cfg.loop.segments) >= 1),
-            f"loop.segments must be an integer >= 1 or auto, got {cfg.loop.segments!r}",
-        ),
-        (cfg.loop.max_rows_per_segment >= 1, "loop.max_rows_per_segment must be >= 1"),
-        (all(k >= 1 for k in cfg.eval.ks), "eval.ks must be >= 1"),
-        (cfg.eval.export_dtype in ("float32", "bfloat16"), "eval.export_dtype must be float32 or bfloat16"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise UsageError(msg)
-    return cfg
 
 
 def dump(cfg: TrainConfig) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from peagle_jax.cli import UsageError
 from train import config as C
 from train import data as D
 from train import distributed as dist
@@ -58,9 +59,16 @@ def resolve_target(cfg: C.TrainConfig, out: Path) -> Path:
         ) from None
 
 
+def has_checkpoint(out: Path) -> bool:
+    folder = out / "checkpoints"
+    return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
+
+
 def _check_resume(out: Path, cfg: C.TrainConfig) -> None:
+    """A TrainError when OUT holds checkpoints of a run with other settings (a run that stopped
+    before its first checkpoint leaves nothing to resume: any settings may reuse its OUT)."""
     saved = out / "config.json"
-    if not saved.exists():
+    if not saved.exists() or not has_checkpoint(out):
         return
     old = C.load_saved(saved)
     new = C.to_dict(cfg)
@@ -99,6 +107,19 @@ def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None) -> D.Datase
     train, held = D.split(examples, d.heldout, d.seed)
     stats.update(train=len(train), heldout=len(held), train_tokens=int(sum(len(e.ids) for e in train)))
     return D.Dataset(train, held, stats)
+
+
+class StopOnNonFinite(Hook):
+    """A TrainError at the first step whose loss or gradient norm is not finite: the run stops
+    before that state is checkpointed or exported (the last checkpoint stays the latest)."""
+
+    def after_step(self, trainer, rec):
+        bad = [k for k in ("loss", "grad_norm") if not np.isfinite(rec[k])]
+        if bad:
+            raise TrainError(
+                f"step {trainer.step}: {bad[0]} is {rec[bad[0]]} (not finite): training stopped, nothing exported; "
+                "lower optim.lr or check the data, then rerun (it resumes from the last checkpoint)"
+            )
 
 
 class Progress(Hook):
@@ -192,6 +213,7 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     metrics = MetricsLog(out, start, enabled=dist.is_main())
     logging = Logging(metrics, ds.heldout, cfg.loop.eval_every)
     own = [
+        StopOnNonFinite(),  # first: a non-finite step is neither logged nor checkpointed
         logging,
         Progress(trainer, cfg.loop.progress and dist.is_main()),
         Checkpointing(ckpt, cfg.loop.checkpoint_every),
@@ -238,7 +260,12 @@ def console(t0: float) -> Callable[[str], None]:
 def prepare_out(cfg: C.TrainConfig) -> Path:
     """OUT made, checked against a run it already holds (resume), and given this run's config."""
     out = Path(cfg.out).absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {cfg.out}: exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {cfg.out}: cannot make the folder ({e.strerror})") from None
     _check_resume(out, cfg)
     dist.barrier("resume-checked")  # every process reads the old config.json before process 0 replaces it
     if dist.is_main():

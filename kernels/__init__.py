@@ -14,7 +14,7 @@ This package depends on nothing else in the project.
 """
 
 from . import chain, decode, dense, layouts, reference, schedule, slots
-from .api import attention, resolve_backend
+from .api import attention, for_platform, platform, resolve_backend
 from .schedule import BlockSchedule, make_schedule
 from .slots import slot_attention
 from .spec import AttentionSpec, visible
@@ -26,6 +26,8 @@ __all__ = [
     "AttentionSpec",
     "attention",
     "resolve_backend",
+    "platform",
+    "for_platform",
     "visible",
     "BlockSchedule",
     "make_schedule",

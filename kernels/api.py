@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import jax
 import jax.numpy as jnp
 
@@ -12,13 +15,37 @@ from . import reference as _reference
 from .schedule import DEFAULT_NUM_RANGES, build_schedule, pad_rows
 from .spec import AttentionSpec
 
-__all__ = ["attention", "resolve_backend", "DEFAULT_BLOCKS"]
+__all__ = ["attention", "resolve_backend", "platform", "for_platform", "DEFAULT_BLOCKS"]
 
 BACKENDS = ("auto", "xla", "gpu", "tpu", "dense", "reference")
 # (block_q, block_k) defaults per backend. xla: a KV block of 512 keys makes each tile's products
-# large enough for XLA CPU to spread over cores (docs/benchmarks.md section 6: the trainer's
-# attention at 4096 tokens 5.8 -> 4.6 s, its step 12.2 -> 10.5 s, 2 cores) for ~6% more pairs
+# large enough for XLA CPU to spread over cores, for ~6% more visited pairs
+# (docs/design/attention-kernels.md)
 DEFAULT_BLOCKS = {"xla": (128, 512), "gpu": (64, 64), "tpu": (128, 128)}
+
+
+PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")
+_PLATFORM = contextvars.ContextVar("kernels_platform", default=None)
+
+
+def platform() -> str:
+    """The platform programs are traced for: the one `for_platform` names, else JAX's default
+    backend (what "auto" backends pick by)."""
+    return _PLATFORM.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def for_platform(name: str):
+    """Trace for platform `name` ("cuda", "tpu", "cpu", ...) whatever this process runs on: the
+    "auto" backends pick that platform's kernels, so `jit(f).trace(...).lower(lowering_platforms=
+    (name,))` builds the program the accelerator would run."""
+    if name not in PLATFORMS:
+        raise ValueError(f"unknown platform {name!r}; expected one of {PLATFORMS}")
+    token = _PLATFORM.set(name)
+    try:
+        yield
+    finally:
+        _PLATFORM.reset(token)
 
 
 def resolve_backend(backend: str = "auto") -> str:
@@ -26,10 +53,10 @@ def resolve_backend(backend: str = "auto") -> str:
         raise ValueError(f"unknown attention backend {backend!r}; expected one of {BACKENDS}")
     if backend != "auto":
         return backend
-    platform = jax.default_backend()
-    if platform in ("gpu", "cuda"):
+    name = platform()
+    if name in ("gpu", "cuda"):
         return "gpu"
-    if platform == "tpu":
+    if name == "tpu":
         return "tpu"
     return "xla"
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import kernels
 from peagle_jax import cache as kv
 from peagle_jax.models.drafter import draft_to_target
 
@@ -343,3 +344,17 @@ def jit_round(cfg, target_def, target_state, drafter_def, drafter_state, state) 
     """One round (benchmarks time it; `generate` runs them in a device loop)."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     return decode_round(cfg, target, drafter, state)
+
+
+def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state, platform: str):
+    """One round traced and lowered for `platform` ("cuda", "tpu", "cpu") with that platform's
+    kernels (`kernels.for_platform`), on any machine: the program an accelerator would run.
+    A fresh function under a fresh jit, so no trace made for another platform is reused."""
+
+    def one_round(target_state, drafter_state, state):
+        target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
+        return decode_round(cfg, target, drafter, state)
+
+    with kernels.for_platform(platform):
+        traced = jax.jit(one_round).trace(target_state, drafter_state, state)
+        return traced.lower(lowering_platforms=(platform,))

@@ -295,14 +295,18 @@ class TrainStep:
     def _jit(self, sh, online, from_features, evaluate, feats) -> None:
         """The four programs jitted, with explicit shardings on a mesh (`sh`, else None)."""
         if sh is None:
-            self._online = jax.jit(online, donate_argnums=(0, 1))
+            self._jit_online = lambda: jax.jit(lambda *a: online(*a), donate_argnums=(0, 1))  # noqa: E731
+            self._online = self._jit_online()
             self._cached = jax.jit(from_features, donate_argnums=(0, 1))
             self._eval = jax.jit(evaluate)
             self._feats = jax.jit(feats)
             return
         p, o, f, b, rep, t, hw = (sh[n] for n in ("params", "opt", "frozen", "batch", "rep", "target", "head_w"))
         out = (p, o, None)  # metrics: placed by `constrain`
-        self._online = jax.jit(online, in_shardings=(p, o, f, hw, t, b), out_shardings=out, donate_argnums=(0, 1))
+        self._jit_online = lambda: jax.jit(  # noqa: E731
+            lambda *a: online(*a), in_shardings=(p, o, f, hw, t, b), out_shardings=out, donate_argnums=(0, 1)
+        )
+        self._online = self._jit_online()
         self._cached = jax.jit(
             from_features, in_shardings=(p, o, f, hw, b, b, b), out_shardings=out, donate_argnums=(0, 1)
         )
@@ -387,6 +391,15 @@ class TrainStep:
         if feats is None:
             return self._online(params, opt_state, frozen, self.head_w, self.target_state, batch)
         return self._cached(params, opt_state, frozen, self.head_w, feats[0], feats[1], batch)
+
+    def lower(self, params, opt_state, frozen, batch: dict, platform: str):
+        """The online step (the target inside) traced and lowered for `platform` ("cuda", "tpu",
+        "cpu") with that platform's kernels, on any machine: the program the accelerator would run.
+        A fresh function under a fresh jit, so no trace made for another platform is reused."""
+        batch = self.partition(batch)
+        with kernels.for_platform(platform):
+            traced = self._jit_online().trace(params, opt_state, frozen, self.head_w, self.target_state, batch)
+            return traced.lower(lowering_platforms=(platform,))
 
     def compile_cached(self, params, opt_state, frozen, aux, y, batch: dict):
         """The cached-features step compiled ahead of time for these shapes (benchmarks read its

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import kernels
 from peagle_jax.config import TargetConfig
 from peagle_jax.models.layers import ACTIVATIONS, Linear
 
@@ -35,7 +36,7 @@ def resolve_impl(impl: str = "auto") -> str:
         raise ValueError(f"unknown MoE impl {impl!r}; expected one of {GROUPED_IMPLS}")
     if impl != "auto":
         return impl
-    return "ragged" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "blocks"
+    return "ragged" if kernels.platform() in ("gpu", "cuda", "rocm", "tpu") else "blocks"
 
 
 def route(logits: jax.Array, k: int, router: str, norm_topk_prob: bool, dtype) -> tuple[jax.Array, jax.Array]:

@@ -277,3 +277,16 @@ def test_a_non_finite_loss_stops_training_and_exports_nothing(tmp_path, capsys, 
     assert not (out / "head").exists()
     kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert kept[-1] == step - 1  # the bad step was never checkpointed
+
+
+def test_a_time_budget_ends_the_run_early_with_a_checkpoint_and_a_head(tmp_path, capsys, tiny_target):
+    out = tmp_path / "budget"
+    flags = ["--preset", "tiny", "--out", str(out), "--model.target", tiny_target, "--eval.enabled", "false"]
+    steps = ["--loop.steps", "500", "--loop.checkpoint_every", "1000", "--loop.progress", "false"]
+    assert main([*flags, *steps, "--loop.max_seconds", "1e-9"]) == 0  # stops after the first step
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1
+    assert summary["stopped_early"] is True
+    assert (out / "vllm" / "config.json").exists()
+    kept = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert kept == [1]

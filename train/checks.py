@@ -77,6 +77,7 @@ def _optim_loop_checks(cfg) -> list[tuple[bool, str]]:
             f"loop.segments must be an integer >= 1 or auto, got {lp.segments!r}",
         ),
         (lp.max_rows_per_segment >= 1, "loop.max_rows_per_segment must be >= 1"),
+        (_finite(lp.max_seconds) and lp.max_seconds >= 0, "loop.max_seconds must be a finite number >= 0 (0 = none)"),
     ]
 
 

@@ -152,6 +152,9 @@ class LoopConfig:
     and gradients as 1 (one flat pass), peak memory ~ rows / segments. auto: ceil(rows / loop.max_rows_per_segment)."""
     max_rows_per_segment: int = 8192
     """With loop.segments auto: the most COD rows of a sequence one segment takes."""
+    max_seconds: float = 0.0
+    """Stop training after this many seconds (0 = no limit): the run checkpoints, evaluates and exports the head it
+    has (its learning-rate schedule still spans loop.steps)."""
 
 
 @dataclasses.dataclass

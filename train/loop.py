@@ -21,7 +21,7 @@ from train import data as D
 from train import distributed as dist
 from train.checkpoint import Checkpoints
 from train.metrics import MetricsLog
-from train.trainer import Hook, Trainer, TrainError, total_steps
+from train.trainer import Hook, TimeBudget, Trainer, TrainError, total_steps
 
 __all__ = ["run", "TrainError", "serve_command"]
 
@@ -155,6 +155,8 @@ class Checkpointing(Hook):
             trainer.save(self.ckpt)
 
     def at_end(self, trainer, failed):
+        if not failed and trainer.stop_requested and self.ckpt.latest() != trainer.step:
+            trainer.save(self.ckpt)  # stopped early: the last step is a checkpoint too
         self.ckpt.close()
 
 
@@ -214,6 +216,7 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     logging = Logging(metrics, ds.heldout, cfg.loop.eval_every)
     own = [
         StopOnNonFinite(),  # first: a non-finite step is neither logged nor checkpointed
+        TimeBudget(cfg.loop.max_seconds),
         logging,
         Progress(trainer, cfg.loop.progress and dist.is_main()),
         Checkpointing(ckpt, cfg.loop.checkpoint_every),
@@ -223,7 +226,7 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     train_wall = time.perf_counter() - t_train
     ev = logging.last_eval
     log(
-        f"trained {trainer.steps - start} steps in {train_wall:.1f} s"
+        f"trained {trainer.step - start} steps in {train_wall:.1f} s"
         + (f"; held-out loss {ev['eval_loss']:.4f}" if ev else "")
     )
     head = trainer.head()  # gathered from every process
@@ -318,14 +321,15 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
     tail = recs[-20:]
     per_depth = np.mean([r["acc"] for r in tail], axis=0).tolist() if tail else []
     cond_acc = np.mean([r["cond_acc"] for r in tail], axis=0).tolist() if tail else []
-    batches = (D.batch_examples(ds.train, s, dc.batch_size, dc.seed) for s in range(trainer.steps))
+    batches = (D.batch_examples(ds.train, s, dc.batch_size, dc.seed) for s in range(trainer.step))
     return {
         "mode": cfg.model.mode,
         "k_train": trainer.k,
         "target": str(tpath),
         "train_tokens": int(sum(len(e.ids) for b in batches for e in b)),
         "split_tokens": int(ds.stats["train_tokens"]),
-        "steps": trainer.steps,
+        "steps": trainer.step,
+        "stopped_early": trainer.step < trainer.steps,
         "wall_seconds": None,
         "train_seconds": train_wall,
         "first_loss": recs[0]["loss"] if recs else None,

@@ -31,7 +31,7 @@ from train.metrics import add_stats, stats_record, step_stats
 from train.optim import learning_rate, make_optimizer
 from train.step import TrainStep, batch_arrays, compute_parts, split_params
 
-__all__ = ["Trainer", "Hook", "TrainError", "total_steps"]
+__all__ = ["Trainer", "Hook", "TimeBudget", "TrainError", "total_steps"]
 
 HELDOUT_STEP = 10**9  # the COD seed offset of held-out batches: the same rows at every evaluation
 
@@ -62,6 +62,17 @@ class Hook:
         pass
 
 
+class TimeBudget(Hook):
+    """Stops `fit` once `seconds` of training have passed (0: never); the run then ends as usual."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.start = seconds, time.perf_counter()
+
+    def after_step(self, trainer, rec):
+        if self.seconds and time.perf_counter() - self.start >= self.seconds:
+            trainer.request_stop()
+
+
 def total_steps(cfg: C.TrainConfig, n_train: int) -> int:
     """loop.steps, or loop.epochs passes over a training split of n_train sequences."""
     return cfg.loop.steps or max(1, math.ceil(cfg.loop.epochs * n_train / cfg.data.batch_size))
@@ -80,6 +91,7 @@ class Trainer:
         mc = cfg.model
         check_target(cfg, target, getattr(target, "path", "the target"))
         self.cfg, self.steps, self.step = cfg, steps, 0
+        self.stop_requested = False  # a hook sets it (`request_stop`): fit ends after this step
         self.k, self.eval_k = mc.k_train, min(7, mc.k_train)
         v = target.config.vocab_size
         vd = mc.draft_vocab if 0 < mc.draft_vocab < v else None
@@ -181,6 +193,8 @@ class Trainer:
         failed = True
         try:
             for step in range(self.step, self.steps):
+                if self.stop_requested:
+                    break
                 exs = D.batch_examples(train, step, dc.batch_size, dc.seed)  # the global batch
                 length = cod.bucket_for(max(len(e.ids) for e in exs), dc.max_len, dc.length_buckets)
                 b = self.cod_batch(exs[lo:hi], step, first_row=lo, length=length)
@@ -197,6 +211,11 @@ class Trainer:
         finally:
             for h in hooks:
                 h.at_end(self, failed)
+
+    def request_stop(self) -> None:
+        """End `fit` after the current step (a time budget, say): the run then ends as if its
+        last step were this one (checkpointed, evaluated and exported as usual)."""
+        self.stop_requested = True
 
     # --- state
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import signal
 import sys
@@ -26,14 +27,44 @@ def one_line(text) -> str:
     return " ".join(str(text).split())
 
 
+RETRY_S = 0.05  # an interrupt that arrived where Python drops exceptions is raised again this late
+
+
+def _drops_exceptions(frame) -> bool:
+    """True when `frame` runs a gc callback (jax registers one) or a finaliser: an exception
+    raised there is printed as "Exception ignored" and lost, and the interrupt with it."""
+    if frame is None:
+        return False
+    if frame.f_code.co_name == "__del__":
+        return True
+    return any(frame.f_code is getattr(cb, "__code__", None) for cb in gc.callbacks)
+
+
 def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"terminated by signal {signum}")
+    if _drops_exceptions(frame):
+        signal.signal(signal.SIGALRM, lambda _s, f: _interrupt(signum, f))
+        signal.setitimer(signal.ITIMER_REAL, RETRY_S)  # deliver it once that code has returned
+        return
+    raise KeyboardInterrupt(f"interrupted by signal {signum}")
 
 
 def terminate_as_interrupt() -> None:
-    """SIGTERM raises KeyboardInterrupt, so `finally` blocks run and a half-written folder is
-    removed (the default SIGTERM kills the process on the spot). Call it at the start of a CLI."""
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so `finally` blocks run and a half-written
+    folder is removed (the default SIGTERM kills the process on the spot). SIGINT is installed
+    too because a process started with it ignored (a background job of a script) would not see it,
+    and an interrupt arriving in a gc callback or finaliser, where Python drops exceptions, is
+    raised again just after. Call it at the start of a CLI's work."""
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
+
+
+def exit_interrupted(message: str) -> None:
+    """Print the interrupt's line and end the process now with status 130: the clean-up ran while
+    the interrupt unwound, and the interpreter's own shutdown can crash while XLA threads are still
+    compiling (a segmentation fault instead of 130)."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(130)
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -67,8 +98,7 @@ def run(
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"error: {interrupted}", file=sys.stderr)
-        return 130
+        exit_interrupted(interrupted)
     except Exception as err:  # noqa: BLE001 - every failure is one line
         if os.environ.get("PEAGLE_DEBUG"):
             raise

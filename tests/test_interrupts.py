@@ -1,0 +1,115 @@
+"""SIGINT and SIGTERM end `python -m train` and `python -m infer bench` with exit status 130 and
+one line, whatever they are doing when the signal comes (loading, compiling, training, decoding):
+never ignored (an interrupt that lands in a gc callback, where Python drops exceptions, is raised
+again), never a crash at shutdown; an interrupted training run resumes from its last checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A finished tiny run: its target folder and exported head (for the bench runs)."""
+    out = tmp_path_factory.mktemp("interrupts") / "done"
+    done = subprocess.run(train_command(out, steps=4), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return out / "tiny-target", out / "head"
+
+
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+def train_command(out: Path, steps: int, target: Path | None = None) -> list[str]:
+    flags = ["--preset", "tiny", "--out", str(out), "--loop.steps", str(steps), "--loop.checkpoint_every", "2"]
+    flags += ["--eval.enabled", "false", "--loop.progress", "false"]
+    if target is not None:
+        flags += ["--model.target", str(target)]
+    return [sys.executable, "-m", "train", *flags]
+
+
+def interrupt(cmd: list[str], sig, ready, logs: Path) -> subprocess.CompletedProcess:
+    """Run `cmd`, send `sig` once `ready(stderr so far)` holds (polled), wait for the end."""
+    err_path = logs / "stderr.txt"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        deadline = time.monotonic() + 240
+        while not ready(err_path.read_text()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert proc.poll() is None, "the command ended before the signal was sent"
+        proc.send_signal(sig)
+        proc.wait(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, "", err_path.read_text())
+
+
+def assert_interrupted(res: subprocess.CompletedProcess) -> None:
+    assert res.returncode == 130, res.stderr[-3000:]
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [errors[0]], res.stderr[-3000:]
+    assert "interrupted" in errors[0]
+    assert "Traceback" not in res.stderr
+
+
+def metrics_lines(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.parametrize("name", SIGNALS)
+def test_train_interrupted_while_compiling(tmp_path, tiny_run, name):
+    out = tmp_path / "run"
+    cmd = train_command(out, steps=200, target=tiny_run[0])
+    res = interrupt(cmd, SIGNALS[name], lambda _: (out / "config.json").exists(), tmp_path)  # loading, compiling
+    assert_interrupted(res)
+    assert not (out / "vllm").exists()
+
+
+@pytest.mark.parametrize("name", SIGNALS)
+def test_train_interrupted_while_training_resumes(tmp_path, tiny_run, name):
+    out = tmp_path / "run"
+    cmd = train_command(out, steps=400, target=tiny_run[0])
+    res = interrupt(cmd, SIGNALS[name], lambda _: metrics_lines(out) >= 3, tmp_path)
+    assert_interrupted(res)
+    checkpoints = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
+    again = subprocess.run(
+        train_command(out, steps=checkpoints[-1] + 2, target=tiny_run[0]),
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 1  # loop.steps changed: refused, naming it
+    assert "loop.steps" in again.stderr
+    resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == checkpoints[-1]
+    assert [
+        json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln
+    ] == list(range(1, 401))
+
+
+BENCH_PHASES = {"loading": "[infer] loading", "compiling": "warm-up (plain", "decoding": "bench b="}
+
+
+@pytest.mark.parametrize("name", SIGNALS)
+@pytest.mark.parametrize("phase", BENCH_PHASES)
+def test_infer_bench_interrupted(tmp_path, tiny_run, name, phase):
+    target, head = tiny_run
+    cmd = [sys.executable, "-m", "infer", "bench", "--target", str(target), "--drafter", str(head), "--k", "1,2,3"]
+    cmd += ["--prompts", "mtbench", "--limit", "24", "--max-new-tokens", "64", "--json", str(tmp_path / "b.json")]
+    res = interrupt(cmd, SIGNALS[name], lambda err: BENCH_PHASES[phase] in err, tmp_path)
+    assert_interrupted(res)
+    assert not (tmp_path / "b.json").exists()

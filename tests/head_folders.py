@@ -63,7 +63,8 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 
 def one_error_line(err: str) -> str:
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
     return lines[0]
 
 
@@ -74,7 +75,8 @@ def listing(folder: Path) -> list[str]:
 def same_arrays(a: dict, b: dict) -> None:
     assert set(a) == set(b)
     for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
+        assert a[k].dtype == b[k].dtype, k
+        assert a[k].shape == b[k].shape, k
         np.testing.assert_array_equal(a[k], b[k], err_msg=str(k))
 
 

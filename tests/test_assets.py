@@ -43,14 +43,18 @@ def test_cli_unknown_name_is_one_line_and_nonzero():
     assert r.stdout == ""
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1, r.stderr
-    assert "unknown asset 'nope'" in lines[0] and "gemma3-270m" in lines[0]
+    assert "unknown asset 'nope'" in lines[0]
+    assert "gemma3-270m" in lines[0]
 
 
 def test_cli_help_and_usage_errors():
     r = _run_cli("--help")
-    assert r.returncode == 0 and "gemma3-270m" in r.stdout and "PEAGLE_JAX_CACHE" in r.stdout
+    assert r.returncode == 0
+    assert "gemma3-270m" in r.stdout
+    assert "PEAGLE_JAX_CACHE" in r.stdout
     r = _run_cli()  # missing NAME
-    assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
+    assert r.returncode != 0
+    assert len(r.stderr.strip().splitlines()) == 1
 
 
 def test_default_dir_follows_env(monkeypatch, tmp_path):
@@ -86,15 +90,19 @@ def test_prepare_builds_once_then_reuses(monkeypatch, tmp_path):
     out = tmp_path / "cache" / "fake"
     logs = []
     got = prepare("fake", out, log=logs.append)
-    assert got == out and len(calls) == 1
+    assert got == out
+    assert len(calls) == 1
     marker = json.loads((out / assets.MARKER).read_text())
-    assert marker["name"] == "fake" and marker["source"] == "unit test"
+    assert marker["name"] == "fake"
+    assert marker["source"] == "unit test"
     assert marker["files"] == {"config.json": 22, "sub/w.bin": 100}
-    assert assets.is_complete(out, "fake") and not assets.is_complete(out, "other")
+    assert assets.is_complete(out, "fake")
+    assert not assets.is_complete(out, "other")
     # no temp siblings left behind
     assert sorted(p.name for p in out.parent.iterdir()) == ["fake"]
     # second call: returns at once, no rebuild
-    assert prepare("fake", str(out)) == out and len(calls) == 1
+    assert prepare("fake", str(out)) == out
+    assert len(calls) == 1
     # default location under $PEAGLE_JAX_CACHE
     monkeypatch.setenv("PEAGLE_JAX_CACHE", str(tmp_path / "envcache"))
     assert prepare("fake", log=logs.append) == tmp_path / "envcache" / "fake"
@@ -141,7 +149,8 @@ def test_foreign_nonempty_out_is_refused_untouched(monkeypatch, tmp_path):
     (tmp_path / "mine.txt").write_text("keep")
     with pytest.raises(AssetError, match="not empty"):
         prepare("fake", tmp_path, log=lambda m: None)
-    assert calls == [] and (tmp_path / "mine.txt").read_text() == "keep"
+    assert calls == []
+    assert (tmp_path / "mine.txt").read_text() == "keep"
     afile = tmp_path / "afile"
     afile.write_text("x")
     with pytest.raises(AssetError, match="not a directory"):
@@ -152,7 +161,8 @@ def test_missing_requirement_names_install_command(monkeypatch, tmp_path):
     calls = _fake(monkeypatch, _ok_build, requires=["surely_not_an_installed_module_xyz"])
     with pytest.raises(AssetError, match=r"surely_not_an_installed_module_xyz.*pip install -e '\.\[demo\]'"):
         prepare("fake", tmp_path / "fake", log=lambda m: None)
-    assert calls == [] and list(tmp_path.iterdir()) == []
+    assert calls == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_stale_temp_dir_of_dead_process_is_removed(monkeypatch, tmp_path):
@@ -165,7 +175,8 @@ def test_stale_temp_dir_of_dead_process_is_removed(monkeypatch, tmp_path):
     live = tmp_path / f".fake.tmp-{os.getppid()}-abcd"  # a live process's build is left alone
     live.mkdir()
     prepare("fake", tmp_path / "fake", log=lambda m: None)
-    assert not stale.exists() and live.exists()
+    assert not stale.exists()
+    assert live.exists()
 
 
 # ------------------------------------------------------------------------------ the real model
@@ -189,12 +200,15 @@ def test_gemma3_270m_folder_loads_in_transformers():
     assert cfg.model_type == "gemma3_text"
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size) == (18, 640, 2048)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 1, 256)
-    assert cfg.vocab_size == 262144 and cfg.tie_word_embeddings
-    assert cfg.sliding_window == 512 and cfg.query_pre_attn_scalar == 256
+    assert cfg.vocab_size == 262144
+    assert cfg.tie_word_embeddings
+    assert cfg.sliding_window == 512
+    assert cfg.query_pre_attn_scalar == 256
     assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
     assert cfg.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
     assert cfg.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
-    assert cfg.final_logit_softcapping is None and cfg.attn_logit_softcapping is None
+    assert cfg.final_logit_softcapping is None
+    assert cfg.attn_logit_softcapping is None
     assert cfg.hidden_activation == "gelu_pytorch_tanh"
 
     tok = AutoTokenizer.from_pretrained(folder)

@@ -34,24 +34,32 @@ def test_two_heads_side_by_side(heads, tmp_path, capsys):
     argv += ["--batch-size", "2", "--max-new-tokens", "6", "--json", str(out)]
     assert main(argv) == 0
     res = json.loads(out.read_text())
-    assert res["batches"] == 2 and res["batch_size"] == 2 and res["baseline"]["tokens_per_second"] > 0
+    assert res["batches"] == 2
+    assert res["batch_size"] == 2
+    assert res["baseline"]["tokens_per_second"] > 0
     runs = {(r["head"].rsplit("/", 1)[-1], r["k"]): r for r in res["runs"]}
     assert set(runs) == {("parallel", 2), ("chain", 2)}
     for (name, k), r in runs.items():
         assert r["mode"] == name  # inferred from the head
-        assert r["prompts"] == 3 and r["greedy_mismatches"] == 0 and r["identical_greedy_outputs"] is True
-        assert len(r["per_position_acceptance"]) == k and r["acceptance_length"] >= 1.0
+        assert r["prompts"] == 3
+        assert r["greedy_mismatches"] == 0
+        assert r["identical_greedy_outputs"] is True
+        assert len(r["per_position_acceptance"]) == k
+        assert r["acceptance_length"] >= 1.0
         for key in ("tokens_per_second", "baseline_tokens_per_second", "speedup", "drafter_ms", "verify_ms"):
             assert r[key] > 0, key
         assert r["baseline_tokens_per_second"] == res["baseline"]["tokens_per_second"]  # one shared baseline
     assert "speedup" not in res  # several runs: no single-drafter keys at the top
     table = capsys.readouterr().out
-    assert table.count("parallel") >= 2 and table.count("chain") >= 2
+    assert table.count("parallel") >= 2
+    assert table.count("chain") >= 2
 
 
 def test_k_lists_parse():
     args = parse_args(["bench", "--target", "t", "--drafter", "a", "--drafter", "b", "--k", "1, 3,7"])
-    assert args.k == [1, 3, 7] and args.drafter == ["a", "b"] and args.mode is None
+    assert args.k == [1, 3, 7]
+    assert args.drafter == ["a", "b"]
+    assert args.mode is None
     assert parse_args(["bench", "--target", "t", "--drafter", "a"]).k == [7]
     assert parse_args(["generate", "--target", "t", "--drafter", "a", "--k", "3", "--prompt", "x"]).k == 3
 
@@ -65,7 +73,8 @@ def test_mismatches_are_counted_prompt_by_prompt():
          "per_position_acceptance": [0.0, 0.0], "same": [False]},
     ]  # fmt: skip
     s = head_summary(base, spec, k=2, batch_size=2)
-    assert s["greedy_mismatches"] == 2 and s["identical_greedy_outputs"] is False
+    assert s["greedy_mismatches"] == 2
+    assert s["identical_greedy_outputs"] is False
     assert s["speedup"] == pytest.approx(2.0)
     assert s["acceptance_length"] == pytest.approx((2.0 * 4 + 1.0 * 2) / 6)
     assert s["per_position_acceptance"] == pytest.approx([4 / 6, 0.0])
@@ -82,4 +91,5 @@ def test_mismatches_are_counted_prompt_by_prompt():
 def test_bench_usage_errors_name_the_flag(extra, flag, capsys):
     assert main(["bench", "--target", "t", *extra]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and flag in err[0], err
+    assert len(err) == 1, err
+    assert flag in err[0], err

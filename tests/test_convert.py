@@ -68,7 +68,8 @@ def test_roundtrip_f32_is_bit_exact(fmt, own, tmp_path, capsys):
     src, d = own
     rc, out, err = run(capsys, "export", src, tmp_path / "x", "--format", fmt, "--dtype", "float32")
     assert rc == 0, err
-    assert "wrote" in out and "serve: vllm serve" in out
+    assert "wrote" in out
+    assert "serve: vllm serve" in out
     floats = {t.dtype for k, t in folder_tensors(tmp_path / "x").items() if k not in ("d2t", "t2d")}
     assert floats == {np.dtype(np.float32)}
     rc, _, err = run(capsys, "import", tmp_path / "x", tmp_path / "back")
@@ -84,7 +85,8 @@ def test_roundtrip_bf16_exact_after_one_cast(fmt, own, tmp_path, capsys):
     assert run(capsys, "export", src, tmp_path / "x", "--format", fmt)[0] == 0  # default dtype bfloat16
     first = folder_tensors(tmp_path / "x")
     assert {t.dtype for k, t in first.items() if k not in ("d2t", "t2d")} == {BF16}
-    assert first["d2t"].dtype == np.int64 and first["t2d"].dtype == np.bool_
+    assert first["d2t"].dtype == np.int64
+    assert first["t2d"].dtype == np.bool_
     assert run(capsys, "import", tmp_path / "x", tmp_path / "back")[0] == 0
     back = load_drafter(tmp_path / "back")
     same_arrays(back.arrays(), bf16_round(d.arrays()))
@@ -99,7 +101,8 @@ def test_vllm_export_layout(own, tmp_path, capsys):
     src, d = own
     assert run(capsys, "export", src, tmp_path / "x", "--format", "vllm")[0] == 0
     cfg = json.loads((tmp_path / "x/config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["model_type"] == "llama"
     assert all(cfg[k] == V - 3 for k in MASK_KEYS)
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
     assert cfg["eagle_config"] == {
@@ -107,9 +110,14 @@ def test_vllm_export_layout(own, tmp_path, capsys):
         "norm_before_fc": False,
         "eagle_aux_hidden_state_layer_ids": [1, 3, 5],
     }
-    assert cfg["draft_vocab_size"] == 40 and cfg["vocab_size"] == V and cfg["target_hidden_size"] == H
-    assert cfg["tie_word_embeddings"] is False and cfg["norm_before_residual"] is False
-    assert cfg["max_position_embeddings"] == 64 and cfg["num_hidden_layers"] == 2 and cfg["head_dim"] == HD
+    assert cfg["draft_vocab_size"] == 40
+    assert cfg["vocab_size"] == V
+    assert cfg["target_hidden_size"] == H
+    assert cfg["tie_word_embeddings"] is False
+    assert cfg["norm_before_residual"] is False
+    assert cfg["max_position_embeddings"] == 64
+    assert cfg["num_hidden_layers"] == 2
+    assert cfg["head_dim"] == HD
     t = folder_tensors(tmp_path / "x")
     want = {
         "embed_tokens.weight": [V, H],
@@ -152,15 +160,18 @@ def test_speculators_export_layout(own, tmp_path, capsys):
     assert run(capsys, "export", src, tmp_path / "x", "--format", "speculators", "--verifier", "org/target")[0] == 0
     cfg = json.loads((tmp_path / "x/config.json").read_text())
     assert "model_type" not in cfg
-    assert cfg["speculators_model_type"] == "peagle" and cfg["mask_token_id"] == V - 3
+    assert cfg["speculators_model_type"] == "peagle"
+    assert cfg["mask_token_id"] == V - 3
     assert cfg["transformer_layer_config"]["model_type"] == "llama"
     assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
     sc = cfg["speculators_config"]
-    assert sc["algorithm"] == "peagle" and sc["default_proposal_method"] == "greedy"
+    assert sc["algorithm"] == "peagle"
+    assert sc["default_proposal_method"] == "greedy"
     assert sc["proposal_methods"][0]["speculative_tokens"] == 6
     assert sc["verifier"] == {"name_or_path": "org/target", "architectures": ["LlamaForCausalLM"]}
     keys = set(folder_tensors(tmp_path / "x"))
-    assert "layers.0.hidden_norm.weight" in keys and not any(k.startswith("midlayer.") for k in keys)
+    assert "layers.0.hidden_norm.weight" in keys
+    assert not any(k.startswith("midlayer.") for k in keys)
     assert {"mask_hidden", "embed_tokens.weight", "d2t", "t2d"} <= keys
 
 
@@ -175,28 +186,35 @@ def test_subprocess_cli(own, tmp_path):
         timeout=120,
     )
     assert res.returncode == 0, res.stderr
-    assert "wrote" in res.stdout and "error" not in res.stderr and "warning" not in res.stderr
+    assert "wrote" in res.stdout
+    assert "error" not in res.stderr
+    assert "warning" not in res.stderr
     res = subprocess.run(
         cmd + ["inspect", str(tmp_path / "x"), "--json"], capture_output=True, text=True, cwd=REPO, timeout=120
     )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
-    assert report["format"] == "vllm" and report["problems"] == []
+    assert report["format"] == "vllm"
+    assert report["problems"] == []
     assert listing(tmp_path) == ["x"]
 
 
 def test_help_per_subcommand(capsys):
     for sub in ("export", "import", "inspect", "export-target", "import-target"):
         rc, out, _ = run(capsys, sub, "--help")
-        assert rc == 0 and "usage:" in out
+        assert rc == 0
+        assert "usage:" in out
     assert run(capsys, "--help")[0] == 0
 
 
 # ---------------------------------------------------------------------------------------
 # sharding, atomic writes, --target
 def test_parse_size():
-    assert parse_size("5GB") == 5 * 10**9 and parse_size("2GiB") == 2 * 2**30
-    assert parse_size("8KB") == 8000 and parse_size("4096") == 4096 and parse_size("1.5MB") == 1_500_000
+    assert parse_size("5GB") == 5 * 10**9
+    assert parse_size("2GiB") == 2 * 2**30
+    assert parse_size("8KB") == 8000
+    assert parse_size("4096") == 4096
+    assert parse_size("1.5MB") == 1_500_000
     for bad in ("", "5XB", "-1", "0", "GB", "5i"):
         with pytest.raises(ValueError):
             parse_size(bad)
@@ -212,11 +230,14 @@ def test_sharded_export_reads_back(fmt, own, tmp_path, capsys):
     assert rc == 0, err
     files = listing(tmp_path / "x")
     shards = [f for f in files if f.endswith(".safetensors")]
-    assert "model.safetensors" not in files and INDEX_FILE in files and len(shards) >= 2
+    assert "model.safetensors" not in files
+    assert INDEX_FILE in files
+    assert len(shards) >= 2
     assert all(f"-of-{len(shards):05d}.safetensors" in s for s in shards)
     index = json.loads((tmp_path / "x" / INDEX_FILE).read_text())
     tensors = folder_tensors(tmp_path / "x")
-    assert set(index["weight_map"]) == set(tensors) and set(index["weight_map"].values()) == set(shards)
+    assert set(index["weight_map"]) == set(tensors)
+    assert set(index["weight_map"].values()) == set(shards)
     assert index["metadata"]["total_size"] == sum(t.nbytes for t in tensors.values())
     for s in shards:
         part = load_file(str(tmp_path / "x" / s))
@@ -232,19 +253,22 @@ def test_existing_output_needs_overwrite(own, tmp_path, capsys):
     assert run(capsys, "export", src, out, "--format", "vllm")[0] == 0
     before = (out / "config.json").read_bytes()
     rc, _, err = run(capsys, "export", src, out, "--format", "speculators")
-    assert rc == 1 and "--overwrite" in one_error_line(err)
+    assert rc == 1
+    assert "--overwrite" in one_error_line(err)
     assert (out / "config.json").read_bytes() == before
     assert run(capsys, "export", src, out, "--format", "speculators", "--overwrite")[0] == 0
     assert "speculators_model_type" in json.loads((out / "config.json").read_text())
     rc, _, err = run(capsys, "import", out, tmp_path / "back")
     assert rc == 0, err
     rc, _, err = run(capsys, "import", out, tmp_path / "back")
-    assert rc == 1 and "--overwrite" in one_error_line(err)
+    assert rc == 1
+    assert "--overwrite" in one_error_line(err)
     assert run(capsys, "import", out, tmp_path / "back", "--overwrite")[0] == 0
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     rc, _, err = run(capsys, "export", src, tmp_path / "other", "--format", "vllm", "--overwrite")
-    assert rc == 1 and "refusing" in one_error_line(err)
+    assert rc == 1
+    assert "refusing" in one_error_line(err)
     assert listing(tmp_path) == ["back", "other", "x"]
 
 
@@ -257,10 +281,12 @@ def test_export_with_target(own, tmp_path, capsys):
     assert json.loads((tmp_path / "x/config.json").read_text())["max_position_embeddings"] == 4096
     bad = write_target_config(tmp_path / "bad", hidden_size=48)
     rc, _, err = run(capsys, "export", src, tmp_path / "y", "--format", "vllm", "--target", bad)
-    assert rc == 1 and "target_hidden_size" in one_error_line(err)
+    assert rc == 1
+    assert "target_hidden_size" in one_error_line(err)
     assert listing(tmp_path) == ["bad", "target", "x"]  # nothing half-written
     rc, _, err = run(capsys, "export", src, tmp_path / "y", "--format", "vllm", "--target", bad, "--force")
-    assert rc == 0 and "warning: (forced)" in err
+    assert rc == 0
+    assert "warning: (forced)" in err
 
 
 # ---------------------------------------------------------------------------------------
@@ -332,7 +358,8 @@ def test_hand_built_folder_imports(variant, tmp_path, capsys):
     rc, out, err = run(capsys, "inspect", src, "--json")
     assert rc == 0, out
     report = json.loads(out)
-    assert report["format"] == fmt and report["mode"] == fields.get("mode", report["mode"])
+    assert report["format"] == fmt
+    assert report["mode"] == fields.get("mode", report["mode"])
     rc, _, err = run(capsys, "import", src, tmp_path / "ours")
     assert rc == 0, err
     d = load_drafter(tmp_path / "ours")
@@ -347,11 +374,12 @@ def test_hand_built_folder_imports(variant, tmp_path, capsys):
     same_arrays(got, want)
     for name, value in fields.items():
         assert getattr(d.config, name) == value, name
-    assert d.config.rms_norm_eps == 1e-5 and d.config.max_position_embeddings == 64
+    assert d.config.rms_norm_eps == 1e-5
+    assert d.config.max_position_embeddings == 64
 
 
 # ---------------------------------------------------------------------------------------
-# what vLLM 0.33 loads (issue 14)
+# what vLLM 0.33 loads from an export: its tensors, config flags and verifier, and the printed serve command
 def serve_spec(out: str) -> tuple[dict, str]:
     """(the --speculative-config dict, the rest of the line) of the printed serve command."""
     line = next(x for x in out.splitlines() if x.startswith("serve: "))
@@ -368,10 +396,13 @@ def test_vllm_export_full_vocab_has_no_id_maps(tmp_path, capsys):
         rc, _, err = run(capsys, "export", tmp_path / "own", tmp_path / fmt, "--format", fmt)
         assert rc == 0, err
         keys = set(folder_tensors(tmp_path / fmt))
-        assert "d2t" not in keys and "t2d" not in keys and "lm_head.weight" in keys, fmt
+        assert "d2t" not in keys, fmt
+        assert "t2d" not in keys, fmt
+        assert "lm_head.weight" in keys, fmt
         assert run(capsys, "import", tmp_path / fmt, tmp_path / f"back-{fmt}")[0] == 0
         back = load_drafter(tmp_path / f"back-{fmt}")
-        assert back.config == d.config and not back.d2t.any()
+        assert back.config == d.config
+        assert not back.d2t.any()
 
 
 def test_speculators_export_writes_layer_flags_in_the_layer_config(tmp_path, capsys):
@@ -381,8 +412,10 @@ def test_speculators_export_writes_layer_flags_in_the_layer_config(tmp_path, cap
     d.save(tmp_path / "own")
     assert run(capsys, "export", tmp_path / "own", tmp_path / "x", "--format", "speculators")[0] == 0
     cfg = json.loads((tmp_path / "x/config.json").read_text())
-    assert cfg["transformer_layer_config"]["fc_norm"] is True and cfg["transformer_layer_config"]["norm_output"] is True
-    assert cfg["fc_norm"] is True and cfg["norm_output"] is True  # speculators reads the top level
+    assert cfg["transformer_layer_config"]["fc_norm"] is True
+    assert cfg["transformer_layer_config"]["norm_output"] is True
+    assert cfg["fc_norm"] is True
+    assert cfg["norm_output"] is True  # speculators reads the top level
     assert {f"fc_norm.{j}.weight" for j in range(3)} <= set(folder_tensors(tmp_path / "x"))
     assert run(capsys, "import", tmp_path / "x", tmp_path / "back")[0] == 0
     back = load_drafter(tmp_path / "back")
@@ -404,7 +437,8 @@ def test_export_prints_the_serve_command(fmt, mode, k_train, want_k, tmp_path, c
     want = {"method": "eagle3", "model": str((tmp_path / "x").absolute()), "num_speculative_tokens": want_k}
     if mode == "parallel":
         want["parallel_drafting"] = True
-    assert spec == want and tail == ""
+    assert spec == want
+    assert tail == ""
 
 
 def test_export_for_a_target_without_aux_capture(tmp_path, capsys):
@@ -420,7 +454,8 @@ def test_export_verifier_is_recorded(own, tmp_path, capsys):
     src, d = own
     for fmt in ("vllm", "speculators"):
         rc, _, err = run(capsys, "export", src, tmp_path / fmt, "--format", fmt, "--verifier", "org/target")
-        assert rc == 0 and "warning" not in err, err
+        assert rc == 0, err
+        assert "warning" not in err, err
         assert run(capsys, "import", tmp_path / fmt, tmp_path / f"back-{fmt}")[0] == 0
         assert load_drafter(tmp_path / f"back-{fmt}").config.verifier == "org/target", fmt
     cfg = json.loads((tmp_path / "speculators/config.json").read_text())
@@ -452,7 +487,8 @@ def test_truncated_safetensors(good_src, tmp_path, capsys):
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     expect_failure(capsys, tmp_path, ["import", good_src, tmp_path / "out"], names=["model.safetensors"])
     rc, out, _ = run(capsys, "inspect", good_src)
-    assert rc == 1 and "model.safetensors" in out
+    assert rc == 1
+    assert "model.safetensors" in out
 
 
 def test_wrong_shape(good_src, tmp_path, capsys):
@@ -556,7 +592,8 @@ def test_target_roundtrip(hf_llama, tmp_path, capsys):
     rc, _, err = run(capsys, "export-target", tmp_path / "ours", tmp_path / "hf", "--max-shard-size", "100KB")
     assert rc == 0, err
     files = listing(tmp_path / "hf")
-    assert INDEX_FILE in files and sum(f.endswith(".safetensors") for f in files) >= 2
+    assert INDEX_FILE in files
+    assert sum(f.endswith(".safetensors") for f in files) >= 2
     original = load_file(str(src / "model.safetensors"))
     same_arrays(folder_tensors(tmp_path / "hf"), original)  # bit-exact, every key
     reloaded = (
@@ -629,7 +666,8 @@ def test_import_chain_head_without_embeddings_takes_the_targets(tmp_path, capsys
     capsys.readouterr()  # its progress bar
     src = write_folder(tmp_path / "src", vllm_config(mask_keys=()), hand_tensors(mask_hidden=False, embed=False))
     rc, _, err = run(capsys, "import", src, tmp_path / "o")
-    assert rc == 1 and "embed_tokens.weight" in one_error_line(err)
+    assert rc == 1
+    assert "embed_tokens.weight" in one_error_line(err)
     rc, _, err = run(capsys, "import", src, tmp_path / "o", "--target", tmp_path / "target")
     assert rc == 0, err
     d = load_drafter(tmp_path / "o")

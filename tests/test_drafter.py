@@ -164,21 +164,27 @@ def test_flag_changes_output_and_round_trips(flag, tmp_path):
 def test_reduced_draft_vocab(tmp_path):
     d = perturbed(BASE)
     np.testing.assert_array_equal(d.d2t, DRAFT_IDS - np.arange(40))
-    assert d.t2d.sum() == 40 and d.t2d[DRAFT_IDS].all()
+    assert d.t2d.sum() == 40
+    assert d.t2d[DRAFT_IDS].all()
     ids = draft_to_target(d.model.d2t, jnp.arange(40))
     np.testing.assert_array_equal(np.asarray(ids), DRAFT_IDS)
     export_vllm(d, tmp_path / "v")
     from safetensors.numpy import load_file
 
     w = load_file(str(tmp_path / "v" / "model.safetensors"))
-    assert w["d2t"].dtype == np.int64 and w["t2d"].dtype == np.bool_ and w["t2d"].shape == (V,)
-    assert w["fc.weight"].dtype.name == "bfloat16" and w["lm_head.weight"].shape == (40, H)
+    assert w["d2t"].dtype == np.int64
+    assert w["t2d"].dtype == np.bool_
+    assert w["t2d"].shape == (V,)
+    assert w["fc.weight"].dtype.name == "bfloat16"
+    assert w["lm_head.weight"].shape == (40, H)
     assert w["mask_hidden"].shape == (1, 1, 3 * H)
-    assert "midlayer.hidden_norm.weight" in w and "layers.1.self_attn.q_proj.weight" in w
+    assert "midlayer.hidden_norm.weight" in w
+    assert "layers.1.self_attn.q_proj.weight" in w
     cfg = json.loads((tmp_path / "v" / "config.json").read_text())
     assert cfg["mask_token_id"] == cfg["pard_token"] == cfg["ptd_token_id"] == V - 1
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 40
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draft_vocab_size"] == 40
     # top-Vd by count, ties to the lower id, sorted by id
     counts = np.zeros(V, np.int64)
     counts[[5, 9, 2, 7]] = [10, 10, 3, 50]
@@ -271,7 +277,8 @@ def test_chain_mode_feeds_prenorm_back():
     m2 = nnx.merge(d.graphdef, d.state)
     m2.config = dataclasses.replace(cfg, norm_output=True)
     h = jnp.ones((1, 1, H))
-    assert float(jnp.abs(m2.feedback(h) - m2.norm(h)).max()) == 0.0 and m.feedback(h) is h
+    assert float(jnp.abs(m2.feedback(h) - m2.norm(h)).max()) == 0.0
+    assert m.feedback(h) is h
 
 
 _cod_jit = jax.jit(lambda gd, st, *a: cod_rows_forward(nnx.merge(gd, st), *a), static_argnums=(0,))
@@ -334,8 +341,11 @@ def test_new_drafter_from_target(tiny_target, tmp_path):
         tc.head_dim,
         tc.intermediate_size,
     )
-    assert c.rope == tc.rope and c.max_position_embeddings == tc.max_position_embeddings
-    assert c.aux_layer_ids == target.aux_layer_ids and c.k_train == 8 and c.fc_norm
+    assert c.rope == tc.rope
+    assert c.max_position_embeddings == tc.max_position_embeddings
+    assert c.aux_layer_ids == target.aux_layer_ids
+    assert c.k_train == 8
+    assert c.fc_norm
     assert c.mask_token_id == tc.vocab_size - 1  # no pad token: the last id
     tm = nnx.merge(target.graphdef, target.state)
     m = d.model
@@ -345,11 +355,13 @@ def test_new_drafter_from_target(tiny_target, tmp_path):
     np.testing.assert_array_equal(d.t2d.nonzero()[0], used)
     out = target.forward(jnp.asarray([[1, 2, 3, 4, 5]]))
     logits = d.apply(jnp.asarray([[2, 3, 4, 5, 6]]), d.fuse(out.aux_hidden), jnp.arange(5)[None]).logits
-    assert logits.shape == (1, 5, 24) and logits.dtype == jnp.float32
+    assert logits.shape == (1, 5, 24)
+    assert logits.dtype == jnp.float32
     d.save(tmp_path / "d")
     same_arrays(d, load_drafter(tmp_path / "d"))
     full = new_drafter(target, mode="chain")
-    assert full.config.draft_vocab_size == tc.vocab_size and full.config.mask_token_id is None
+    assert full.config.draft_vocab_size == tc.vocab_size
+    assert full.config.mask_token_id is None
     assert not full.d2t.any()
     with pytest.raises(TypeError, match="unknown flags"):
         new_drafter(target, norm_befor_fc=True)
@@ -368,7 +380,8 @@ def test_new_drafter_gemma_target(tmp_path):
         np.asarray(d.model.embed_tokens.embedding[...]), emb * target.config.embed_scale, rtol=1e-6
     )
     np.testing.assert_array_equal(np.asarray(d.model.lm_head.kernel[...]), emb.T)  # tied
-    assert d.config.hidden_act == "silu" and d.config.mask_token_id == (
+    assert d.config.hidden_act == "silu"
+    assert d.config.mask_token_id == (
         target.config.pad_token_id if target.config.pad_token_id is not None else target.config.vocab_size - 1
     )
 

@@ -142,9 +142,12 @@ def test_vllm_layouts(tmp_path, layer0):
     d = load_drafter(write(tmp_path / layer0, vllm_config(vd=20), t))
     assert detect_format(tmp_path / layer0) == "vllm"
     c = d.config
-    assert c.mode == "parallel" and c.mask_token_id == V - 2 and c.aux_layer_ids == (1, 3, 5)
+    assert c.mode == "parallel"
+    assert c.mask_token_id == V - 2
+    assert c.aux_layer_ids == (1, 3, 5)
     assert (c.draft_vocab_size, c.rms_norm_eps, c.rope.type, c.rope.factor) == (20, 1e-5, "llama3", 8.0)
-    assert c.rope.original_max_position_embeddings == 64 and c.max_position_embeddings == 256
+    assert c.rope.original_max_position_embeddings == 64
+    assert c.max_position_embeddings == 256
     check_params(d, t, layer0)
 
 
@@ -179,12 +182,16 @@ def test_vllm_variants(tmp_path):
     t["input_norm.weight"] = np.ones(3 * H, np.float32)
     del t["d2t"], t["t2d"]
     d = load_drafter(write(tmp_path / "v", cfg, t))
-    assert d.config.aux_layer_ids == (0, 2, 4) and d.config.mask_token_id == 7 and d.config.norm_before_fc
-    assert not d.d2t.any() and d.t2d.all()
+    assert d.config.aux_layer_ids == (0, 2, 4)
+    assert d.config.mask_token_id == 7
+    assert d.config.norm_before_fc
+    assert not d.d2t.any()
+    assert d.t2d.all()
     # no mask id and no mask_hidden: an EAGLE-3 chain head
     chain = {k: v for k, v in hand_tensors().items() if k != "mask_hidden"}
     d = load_drafter(write(tmp_path / "chain", vllm_config(pard_token=None), chain))
-    assert d.config.mode == "chain" and d.config.mask_token_id is None
+    assert d.config.mode == "chain"
+    assert d.config.mask_token_id is None
 
 
 def test_golden_speculators_exports(tmp_path):
@@ -196,10 +203,12 @@ def test_golden_speculators_exports(tmp_path):
         a, b = d.arrays(), back.arrays()
         assert all(np.array_equal(a[k], b[k]) for k in a), name
     cfg = json.loads((tmp_path / "spec" / "config.json").read_text())
-    assert cfg["speculators_model_type"] == "peagle" and cfg["architectures"] == ["PEagleSpeculator"]
+    assert cfg["speculators_model_type"] == "peagle"
+    assert cfg["architectures"] == ["PEagleSpeculator"]
     assert cfg["speculators_config"]["verifier"] == {"name_or_path": "../target", "architectures": ["LlamaForCausalLM"]}
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
-    assert cfg["mask_token_id"] == 255 and cfg["transformer_layer_config"]["num_hidden_layers"] == 2
+    assert cfg["mask_token_id"] == 255
+    assert cfg["transformer_layer_config"]["num_hidden_layers"] == 2
 
 
 def test_speculators_eagle3_defaults(tmp_path):
@@ -233,7 +242,9 @@ def test_speculators_eagle3_defaults(tmp_path):
     }
     t = {k: v for k, v in hand_tensors("layers.0").items() if k not in ("mask_hidden", "d2t", "t2d")}
     d = load_drafter(write(tmp_path / "e3", cfg, t))
-    assert d.config.mode == "chain" and d.config.norm_before_residual and d.config.k_train == 3
+    assert d.config.mode == "chain"
+    assert d.config.norm_before_residual
+    assert d.config.k_train == 3
     # an EAGLE-3 head that shares the target's embeddings
     del t["embed_tokens.weight"]
     write(tmp_path / "e3-noembed", cfg, t)
@@ -336,7 +347,9 @@ def test_import_keeps_the_file_dtype(tmp_path):
     bf16 = np.dtype(ml_dtypes.bfloat16)
     t = {k: v.astype(bf16) if v.dtype == np.float32 else v for k, v in hand_tensors(vd=20).items()}
     config, arrays, dtype = read_drafter(write(tmp_path / "bf16", vllm_config(vd=20), t))
-    assert dtype == "float32" and arrays[("fc", "kernel")].dtype == bf16 and arrays[("d2t",)].dtype == np.int32
+    assert dtype == "float32"
+    assert arrays[("fc", "kernel")].dtype == bf16
+    assert arrays[("d2t",)].dtype == np.int32
     np.testing.assert_array_equal(arrays[("fc", "kernel")], t["fc.weight"].T)
     d = load_drafter(tmp_path / "bf16")
     assert d.dtype == np.float32
@@ -355,9 +368,13 @@ def test_check_tensors_lists_every_fault(tmp_path):
     t["extra.weight"] = np.zeros(2, np.float32)
     folder = write(tmp_path / "bad", vllm_config(vd=20), t)
     chk = check_tensors(Checkpoint(folder), read_vllm_config(vllm_config(vd=20), "config.json"))
-    assert chk.layer0 == "midlayer." and chk.extra == ["extra.weight"] and chk.reshaped == ["mask_hidden"]
+    assert chk.layer0 == "midlayer."
+    assert chk.extra == ["extra.weight"]
+    assert chk.reshaped == ["mask_hidden"]
     assert list(chk.missing) == ["layers.1.mlp.up_proj.weight"]
-    assert len(chk.errors) == 2 and "'fc.weight' has shape" in chk.errors[0] and "I32" in chk.errors[1]
+    assert len(chk.errors) == 2
+    assert "'fc.weight' has shape" in chk.errors[0]
+    assert "I32" in chk.errors[1]
     with pytest.raises(DrafterIOError, match="'fc.weight' has shape"):
         load_drafter(folder)
 

@@ -351,7 +351,8 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="sliding_window is not set"):
         dataclasses.replace(BASE, layer_types=SLIDING)
     cfg = dataclasses.replace(BASE, layer_types=SLIDING, sliding_window=4)
-    assert [cfg.window(i) for i in range(2)] == [4, None] and cfg.sliding
+    assert [cfg.window(i) for i in range(2)] == [4, None]
+    assert cfg.sliding
     assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
     assert dataclasses.replace(BASE, layer_types=["full_attention"] * 2) == BASE  # () = all full; hashable
     hash(cfg)

@@ -1,5 +1,5 @@
 """The edges a new user trips over: stop tokens, file modes, interrupted writes, unchecked
-values, CLI manners (issue 13). Each test failed against the behaviour it pins down."""
+values, CLI manners. Each test failed against the behaviour it pins down."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import hf_tiny
 import jax.numpy as jnp
@@ -22,6 +22,8 @@ from peagle_jax.folders import atomic_folder, atomic_write_text, write_hf_folder
 from peagle_jax.generation import SpeculativeDecoder, generate_greedy
 
 NEW = 8
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = ROOT / "tests" / "programs"
 
 
 @pytest.fixture(scope="module")
@@ -94,24 +96,19 @@ def test_failed_write_leaves_nothing_and_stale_temporaries_are_removed(tmp_path)
     live = tmp_path / f".out.tmp-{os.getpid()}-abcd"  # a live writer (this process) is left alone
     live.mkdir()
     write_hf_folder(dest, {"a": 1}, {"w": np.zeros(2, np.float32)})
-    assert not stale.exists() and live.exists() and (dest / "config.json").exists()
+    assert not stale.exists()
+    assert live.exists()
+    assert (dest / "config.json").exists()
 
 
 def test_sigterm_during_a_write_removes_the_temporary(tmp_path):
-    script = textwrap.dedent(f"""
-        import os, signal, time
-        from peagle_jax.cli import terminate_as_interrupt
-        from peagle_jax.folders import atomic_folder
-        terminate_as_interrupt()
-        try:
-            with atomic_folder({str(tmp_path / "out")!r}) as tmp:
-                (tmp / 'half.bin').write_bytes(b'x' * 1000)
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(30)
-        except KeyboardInterrupt:
-            raise SystemExit(130)
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(PROGRAMS / "sigterm_write.py"), str(tmp_path / "out")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 130, proc.stderr
     assert list(tmp_path.iterdir()) == []
 
@@ -188,7 +185,8 @@ def test_bench_flags_are_usage_errors(tiny, flags, needle, capsys):
     folder, _ = tiny
     assert infer_main(["bench", "--target", str(folder), "--mode", "none", *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and needle in err[0], err
+    assert len(err) == 1, err
+    assert needle in err[0], err
 
 
 def test_prompt_ids_and_help_defaults(tiny, tmp_path, capsys):
@@ -269,7 +267,8 @@ def test_terminated_cli_exits_cleanly(tiny):
             break
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
-    assert proc.wait(timeout=120) == 130 and "error: interrupted" in rest
+    assert proc.wait(timeout=120) == 130
+    assert "error: interrupted" in rest
 
 
 # ------------------------------------------------------------------------------ the convert CLI
@@ -283,14 +282,17 @@ def test_convert_exit_codes_and_help(tiny, tmp_path, capsys):
     assert convert_main(["export", str(tmp_path / "missing"), str(tmp_path / "out"), "--format", "vllm"]) == 1
     assert convert_main(["export", "a", "b", "--format", "onnx"]) == 2  # usage
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(line.startswith("error: ") for line in err)
-    assert "missing" in err[1] and ".tmp-" not in err[1]
+    assert len(err) == 3
+    assert all(line.startswith("error: ") for line in err)
+    assert "missing" in err[1]
+    assert ".tmp-" not in err[1]
     head = pj.new_drafter(target, mode="parallel", seed=1).save(tmp_path / "head")
     assert convert_main(["export", str(head), str(tmp_path / "vllm"), "--format", "vllm"]) == 0
     assert convert_main(["inspect", str(tmp_path / "vllm")]) == 0  # clean
     assert convert_main(["export", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: bfloat16)" in text and "(default: 5GB)" in text
+    assert "(default: bfloat16)" in text
+    assert "(default: 5GB)" in text
     assert convert_main(["export-target", "--help"]) == 0
     assert "same round trip" in " ".join(capsys.readouterr().out.split())
 
@@ -299,17 +301,13 @@ def test_killed_export_leaves_no_temporary(tiny, tmp_path):
     """SIGTERM in the middle of an export: exit 130, no `.OUT.tmp-*` folder, no OUT."""
     _, target = tiny
     head = pj.new_drafter(target, mode="parallel", seed=1).save(tmp_path / "head")
-    script = textwrap.dedent(f"""
-        import os, signal, sys
-        import peagle_jax.folders as folders
-        from peagle_jax.convert import main
-        real = folders.apply_umask_modes
-        def slow(root):  # the files are written: stop it like a scheduler would
-            os.kill(os.getpid(), signal.SIGTERM)
-            return real(root)
-        folders.apply_umask_modes = slow
-        sys.exit(main(["export", {str(head)!r}, {str(tmp_path / "out")!r}, "--format", "vllm"]))
-    """)
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 130 and "interrupted" in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [sys.executable, str(PROGRAMS / "killed_export.py"), str(head), str(tmp_path / "out")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 130, proc.stderr
+    assert "interrupted" in proc.stderr, proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["head"]

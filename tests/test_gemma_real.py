@@ -37,7 +37,8 @@ def test_loads(models):
     target, _, _ = models
     cfg = target.config
     assert (cfg.model_type, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("gemma3", 18, 640, 262144)
-    assert target.aux_layer_ids == (2, 9, 15) and target.tokenizer is not None
+    assert target.aux_layer_ids == (2, 9, 15)
+    assert target.tokenizer is not None
 
 
 def test_logits_match_transformers(models):

@@ -54,7 +54,9 @@ def target_head():
 def test_config_read(drafter):
     c = drafter.config
     assert (c.mode, c.num_layers, c.hidden_size, c.vocab_size, c.draft_vocab_size) == ("parallel", 2, 64, 256, 128)
-    assert c.mask_token_id == 255 and c.aux_layer_ids == (2, 4, 5) and c.k_train == 5
+    assert c.mask_token_id == 255
+    assert c.aux_layer_ids == (2, 4, 5)
+    assert c.k_train == 5
     assert not (c.norm_before_residual or c.norm_before_fc or c.fc_norm or c.norm_output or c.attention_bias)
     assert int(drafter.t2d.sum()) == 128
 
@@ -187,4 +189,5 @@ def test_propose_with_cache(drafter, propose, split):
     assert diff < TOL, diff
     # the mask slots wrote KV at positions 12..15; a next round overwrites them in place
     k0 = second.cache[0][0]
-    assert float(jnp.abs(k0[0, 12:16]).sum()) > 0 and float(jnp.abs(k0[0, 16:]).sum()) == 0
+    assert float(jnp.abs(k0[0, 12:16]).sum()) > 0
+    assert float(jnp.abs(k0[0, 16:]).sum()) == 0

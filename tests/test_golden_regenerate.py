@@ -43,10 +43,12 @@ def test_regenerate_matches_the_committed_layout(tmp_path):
 
     rows, prop = np.load(out / "train_rows.npz"), np.load(out / "propose.npz")
     summary = json.loads((out / "summary.json").read_text())
-    assert math.isfinite(float(rows["loss"])) and float(rows["loss"]) > 0
+    assert math.isfinite(float(rows["loss"]))
+    assert float(rows["loss"]) > 0
     assert summary["loss"] == pytest.approx(float(rows["loss"]))
     vocab = json.loads((out / "target" / "config.json").read_text())["vocab_size"]
     ids = [int(prop["bonus"]), *prop["drafts"].tolist()]
-    assert all(0 <= i < vocab for i in ids) and summary["propose"] == ids
+    assert all(0 <= i < vocab for i in ids)
+    assert summary["propose"] == ids
     t2d = load_file(str(out / "drafter-speculators" / "model.safetensors"))["t2d"]
     assert t2d[prop["drafts"]].all()  # drafts come from the draft vocabulary

@@ -3,34 +3,25 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import pytest
 
-SCRIPT = textwrap.dedent("""
-    import ctypes, ctypes.util, resource, sys
-    from peagle_jax.host import reuse_freed_memory
-
-    if sys.argv[1] == "reuse":
-        assert reuse_freed_memory()
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    size, faults = 64 << 20, []
-    for _ in range(4):  # a 64 MB buffer filled and freed: what an XLA call does with its temporaries
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        block = libc.malloc(size)
-        ctypes.memset(block, 1, size)
-        libc.free(block)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    print(max(faults[1:]))
-""")
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAM = ROOT / "tests" / "programs" / "page_faults.py"
 
 
 def faults_per_allocation(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(PROGRAM), mode],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1])
 

@@ -94,7 +94,8 @@ def test_bench_writes_all_numbers(assets, tmp_path, capsys):
         == 0
     )
     res = json.loads(out.read_text())
-    assert res["batches"] == 3 and res["identical_greedy_outputs"] is True
+    assert res["batches"] == 3
+    assert res["identical_greedy_outputs"] is True
     for key in (
         "baseline_tokens_per_second",
         "speculative_tokens_per_second",
@@ -123,16 +124,20 @@ def test_errors_are_one_line_and_nonzero(assets, tmp_path):
         "w1",
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and proc.stdout == ""  # the work failed: a folder it cannot use
+    assert proc.returncode == 1  # the work failed: a folder it cannot use
+    assert proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "nope" in errors[0] and proc.stderr.strip().splitlines()[-1] == errors[0]
+    assert len(errors) == 1
+    assert "nope" in errors[0]
+    assert proc.stderr.strip().splitlines()[-1] == errors[0]
     no_drafter = subprocess.run(
         [sys.executable, "-m", "infer", "generate", "--target", str(root / "target"), "--prompt", "w1"],
         capture_output=True,
         text=True,
         timeout=300,
     )
-    assert no_drafter.returncode == 2 and "--drafter" in no_drafter.stderr
+    assert no_drafter.returncode == 2
+    assert "--drafter" in no_drafter.stderr
 
 
 @pytest.mark.parametrize("argv", [["generate"], ["bench", "--target", "x", "--k", "seven"], ["nope"], []])
@@ -140,4 +145,5 @@ def test_usage_errors_are_one_line(argv, capsys):
     """argparse's own errors (missing flag, bad int, unknown command) are one line too, exit 2."""
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and err.startswith("error: python -m infer"), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: python -m infer"), err

@@ -47,16 +47,20 @@ def inspect_json(capsys, folder, *extra):
 
 def problems_of(capsys, folder, *extra) -> str:
     rc, report = inspect_json(capsys, folder, *extra)
-    assert rc == 1 and report["problems"]
+    assert rc == 1
+    assert report["problems"]
     rc_text, text, _ = run(capsys, "inspect", folder, *extra)
-    assert rc_text == 1 and "problem(s)" in text
+    assert rc_text == 1
+    assert "problem(s)" in text
     return " | ".join(report["problems"])
 
 
 def test_inspect_clean_folder_reports_what_it_is(tmp_path, capsys):
     src = write_folder(tmp_path / "h", vllm_config(vd=40, peagle_jax={"k_train": 10}), hand_tensors(vd=40))
     rc, r = inspect_json(capsys, src)
-    assert rc == 0 and r["problems"] == [] and r["warnings"] == []
+    assert rc == 0
+    assert r["problems"] == []
+    assert r["warnings"] == []
     assert (r["format"], r["mode"], r["num_layers"], r["vocab_size"], r["draft_vocab_size"]) == (
         "vllm",
         "parallel",
@@ -64,18 +68,23 @@ def test_inspect_clean_folder_reports_what_it_is(tmp_path, capsys):
         V,
         40,
     )
-    assert r["mask_token_id"] == V - 3 and r["mask_token_keys"] == sorted(MASK_KEYS)
-    assert r["aux_layer_ids"] == [1, 3, 5] and r["k_hints"] == {"k_train": 10}
+    assert r["mask_token_id"] == V - 3
+    assert r["mask_token_keys"] == sorted(MASK_KEYS)
+    assert r["aux_layer_ids"] == [1, 3, 5]
+    assert r["k_hints"] == {"k_train": 10}
     assert r["layer0_prefix"] == "midlayer."
     rc, text, _ = run(capsys, "inspect", src)
-    assert rc == 0 and "OK: no problems" in text and "num_speculative_tokens <= 10" in text
+    assert rc == 0
+    assert "OK: no problems" in text
+    assert "num_speculative_tokens <= 10" in text
 
 
 def test_inspect_missing_mask_hidden(tmp_path, capsys):
     src = write_folder(tmp_path / "h", vllm_config(), hand_tensors(mask_hidden=False))
     assert "missing tensor 'mask_hidden'" in problems_of(capsys, src)
     rc, _, err = run(capsys, "import", src, tmp_path / "o")  # import refuses it too
-    assert rc == 1 and "'mask_hidden'" in one_error_line(err)
+    assert rc == 1
+    assert "'mask_hidden'" in one_error_line(err)
 
 
 def test_inspect_missing_embed_tokens(tmp_path, capsys):
@@ -86,7 +95,8 @@ def test_inspect_missing_embed_tokens(tmp_path, capsys):
 def test_inspect_hidden_differs_from_target_hidden(tmp_path, capsys):
     src = write_folder(tmp_path / "h", vllm_config(ht=24), hand_tensors(ht=24))
     p = problems_of(capsys, src)
-    assert "hidden_size 32 != target_hidden_size 24" in p and "shape" not in p  # the shapes themselves are fine
+    assert "hidden_size 32 != target_hidden_size 24" in p
+    assert "shape" not in p  # the shapes themselves are fine
 
 
 def test_inspect_not_three_aux_layers(tmp_path, capsys):
@@ -136,7 +146,8 @@ def test_inspect_shape_and_key_problems(tmp_path, capsys):
     src = write_folder(tmp_path / "h", vllm_config(vd=40), t)
     p = problems_of(capsys, src)
     assert "'lm_head.weight' has shape [30, 32], expected [40, 32]" in p
-    assert "missing tensor 'layers.1.mlp.up_proj.weight'" in p and "'extra.weight'" in p
+    assert "missing tensor 'layers.1.mlp.up_proj.weight'" in p
+    assert "'extra.weight'" in p
 
 
 def test_inspect_warns_on_partial_mask_keys(tmp_path, capsys):
@@ -150,11 +161,14 @@ def test_inspect_warns_on_partial_mask_keys(tmp_path, capsys):
 def test_inspect_own_checkpoint(own, capsys):
     src, _ = own
     rc, r = inspect_json(capsys, src)
-    assert rc == 0 and r["format"] == "own" and r["draft_vocab_size"] == 40 and r["k_hints"] == {"k_train": 6}
+    assert rc == 0
+    assert r["format"] == "own"
+    assert r["draft_vocab_size"] == 40
+    assert r["k_hints"] == {"k_train": 6}
 
 
 # ---------------------------------------------------------------------------------------
-# issue 8: a head without aux ids
+# a head without aux ids: vLLM falls back to the target's default aux layers
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_missing_aux_key_is_a_warning(fmt, tmp_path, capsys):
     """A head whose config has no aux-layer key loads with aux_layer_ids=None, and vLLM then uses
@@ -162,27 +176,31 @@ def test_missing_aux_key_is_a_warning(fmt, tmp_path, capsys):
     d = random_drafter(aux_layer_ids=None)
     d.save(tmp_path / "own")
     rc, r = inspect_json(capsys, tmp_path / "own")
-    assert rc == 0 and any("vLLM falls back to (2, L//2, L-3)" in w for w in r["warnings"])
+    assert rc == 0
+    assert any("vLLM falls back to (2, L//2, L-3)" in w for w in r["warnings"])
     rc, _, err = run(capsys, "export", tmp_path / "own", tmp_path / "x", "--format", fmt)
-    assert rc == 0 and "warning: no eagle_aux_hidden_state_layer_ids" in err
+    assert rc == 0
+    assert "warning: no eagle_aux_hidden_state_layer_ids" in err
     cfg = json.loads((tmp_path / "x/config.json").read_text())
     assert cfg.get("eagle_aux_hidden_state_layer_ids") is None
     assert "eagle_aux_hidden_state_layer_ids" not in cfg.get("eagle_config", {})
     rc, r = inspect_json(capsys, tmp_path / "x")
-    assert rc == 0 and r["aux_layer_ids"] is None
+    assert rc == 0
+    assert r["aux_layer_ids"] is None
     assert any(w.startswith("no eagle_aux_hidden_state_layer_ids: vLLM falls back") for w in r["warnings"])
     assert load_drafter(tmp_path / "x").config.aux_layer_ids is None
 
 
 # ---------------------------------------------------------------------------------------
-# issue 14: what vLLM 0.33 refuses or silently gets wrong
+# what vLLM 0.33 refuses or silently gets wrong
 def test_id_maps_in_a_full_vocabulary_head(tmp_path, capsys):
     t = hand_tensors()  # Vd == V: no d2t / t2d
     src = write_folder(tmp_path / "ok", vllm_config(), t)
     assert inspect_json(capsys, src)[0] == 0
     t.update(d2t=np.zeros(V, np.int64), t2d=np.ones(V, bool))
     p = problems_of(capsys, write_folder(tmp_path / "maps", vllm_config(), t))
-    assert "['d2t', 't2d'] in a full-vocabulary head" in p and "draft_id_to_target_id" in p
+    assert "['d2t', 't2d'] in a full-vocabulary head" in p
+    assert "draft_id_to_target_id" in p
 
 
 def fc_norm_folder(tmp_path: Path, name: str, **flags) -> Path:
@@ -203,11 +221,13 @@ def test_speculators_layer_flags_only_at_the_top_level(tmp_path, capsys):
     assert rc == 0, r["problems"]
     assert inspect_json(capsys, fc_norm_folder(tmp_path, "layer", layer=True))[0] == 0
     p = problems_of(capsys, fc_norm_folder(tmp_path, "top", top=True))
-    assert "'fc_norm' is true only at the top level" in p and "transformer_layer_config" in p
+    assert "'fc_norm' is true only at the top level" in p
+    assert "transformer_layer_config" in p
     p = problems_of(capsys, fc_norm_folder(tmp_path, "differ", top=True, layer=False))
     assert "key 'fc_norm' is True at the top level but False in 'transformer_layer_config'" in p
     # the importer reads both places the same way
-    assert load_drafter(tmp_path / "top").config.fc_norm and load_drafter(tmp_path / "layer").config.fc_norm
+    assert load_drafter(tmp_path / "top").config.fc_norm
+    assert load_drafter(tmp_path / "layer").config.fc_norm
     with pytest.raises(ValueError, match=r"config\.json: key 'fc_norm' is True at the top level but False"):
         load_drafter(tmp_path / "differ")
 
@@ -229,7 +249,8 @@ def test_serve_command():
     assert serve_command("/h", "parallel", 5) == f"vllm serve TARGET --speculative-config '{json.dumps(spec)}'"
     assert serve_command("/h", "parallel", 5, "llama", "org/t").startswith("vllm serve org/t ")
     chain = serve_command("/h", "chain", 3, "qwen3")
-    assert '"parallel_drafting"' not in chain and '"num_speculative_tokens": 3' in chain
+    assert '"parallel_drafting"' not in chain
+    assert '"num_speculative_tokens": 3' in chain
     assert serve_command("/h", "parallel", 8, "gemma3").endswith("' --model-impl transformers")
     assert (serve_k(None), serve_k(3), serve_k(10), serve_k("x")) == (SERVE_K, 3, SERVE_K, SERVE_K) == (7, 3, 7, 7)
 
@@ -241,9 +262,11 @@ def test_target_without_aux_capture_is_noted(tmp_path, capsys):
         tmp_path / "gemma", architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", max_position_embeddings=64
     )
     _, r = inspect_json(capsys, src, "--target", llama)
-    assert not any("model-impl" in n for n in r["notes"]) and r["serve"].startswith(f"vllm serve {llama} ")
+    assert not any("model-impl" in n for n in r["notes"])
+    assert r["serve"].startswith(f"vllm serve {llama} ")
     rc, r = inspect_json(capsys, src, "--target", gemma)
-    assert rc == 0 and r["target_family"] == "gemma3"
+    assert rc == 0
+    assert r["target_family"] == "gemma3"
     assert any("native gemma3 model does not capture aux hidden states" in n for n in r["notes"])
     assert r["serve"].endswith(" --model-impl transformers")
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+from pathlib import Path
 
 import hf_tiny
 import jax
@@ -33,6 +34,8 @@ from peagle_jax.weights import WeightsError, dequantize_mxfp4
 torch = pytest.importorskip("torch")
 
 
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = ROOT / "tests" / "programs"
 AUX = (0, 1, 2)
 KINDS = ("qwen3_moe", "gpt_oss")
 
@@ -87,13 +90,16 @@ def test_matches_transformers_with_real_routing(kind, loaded):
 
     routes = _hf_routes(hf, ids)
     want_moe = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-    assert sorted(routes) == want_moe and want_moe
+    assert sorted(routes) == want_moe
+    assert want_moe
     if kind == "qwen3_moe":
         assert cfg.mlp_types == ("moe", "dense", "moe")  # mlp_only_layers=[1]
     else:
-        assert cfg.layer_types[0] == "sliding_attention" and cfg.sliding_window == hf_tiny.GPT_OSS_WINDOW
+        assert cfg.layer_types[0] == "sliding_attention"
+        assert cfg.sliding_window == hf_tiny.GPT_OSS_WINDOW
     for i, r in routes.items():
-        assert r.shape == (24, hf_tiny.TOP_K) and hf_tiny.TOP_K > 1
+        assert r.shape == (24, hf_tiny.TOP_K)
+        assert hf_tiny.TOP_K > 1
         assert set(r.ravel().tolist()) == set(range(hf_tiny.EXPERTS)), f"layer {i}: not every expert used"
         assert all(len(set(row)) == hf_tiny.TOP_K for row in r.tolist())
 
@@ -148,7 +154,8 @@ def test_grouped_products_agree_and_ragged_dot_has_a_gradient(kind, loaded):
         np.testing.assert_allclose(outs[impl], outs["dense"], atol=2e-5, rtol=0, err_msg=impl)
     assert moe_mod.resolve_impl("auto") == "blocks"  # CPU: jax's ragged_dot is a masked dense product here
     counts = np.asarray(moe_mod.expert_counts(layer, x))
-    assert counts.sum() == 120 * hf_tiny.TOP_K and (counts > 0).all()
+    assert counts.sum() == 120 * hf_tiny.TOP_K
+    assert (counts > 0).all()
 
     if kind != "gpt_oss":
         return
@@ -350,30 +357,6 @@ def test_expert_parallel_rule():
     assert spec_for("layers/0/mlp/experts/down_proj_bias", (32, 64), mesh) == jax.sharding.PartitionSpec("fsdp", None)
 
 
-SHARDED = """
-import json, sys
-import jax
-import numpy as np
-import peagle_jax as pj
-from peagle_jax.generation import SpeculativeDecoder
-from peagle_jax.sharding import make_mesh
-
-assert len(jax.devices()) == 8, jax.devices()
-mesh = make_mesh(tensor=4, fsdp=2)
-ids = np.arange(24, dtype=np.int32).reshape(2, 12) % 90
-out = {}
-for sharded in (False, True):
-    target = pj.load_target(sys.argv[1], dtype="float32", aux_layer_ids=(0, 1, 2), mesh=mesh if sharded else None)
-    w = target.state["layers"][0]["mlp"]["experts"]["gate_up_proj"][...]
-    out[f"expert_shards_{sharded}"] = len({str(s.index) for s in w.addressable_shards})
-    out[f"logits_{sharded}"] = np.asarray(target.forward(ids).logits).tolist()
-    drafter = pj.new_drafter(target, num_layers=1, mode="parallel", seed=4)
-    out[f"tokens_{sharded}"] = SpeculativeDecoder(target, drafter, k=3, mode="parallel").generate(
-        [[3, 1, 4, 1, 5], [9, 2, 6]], max_new_tokens=8).tokens
-print(json.dumps(out))
-"""
-
-
 @pytest.mark.slow
 def test_expert_parallel_engine_equals_single_device(loaded):
     """8 simulated devices (fsdp 2 x tensor 4): the expert stacks really spread, same logits and tokens."""
@@ -381,12 +364,17 @@ def test_expert_parallel_engine_equals_single_device(loaded):
     import sys
 
     folder, _, _ = loaded("gpt_oss")
-    env = xla_env.simulated_devices(8)
+    env = {**xla_env.simulated_devices(8), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-c", SHARDED, str(folder)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(PROGRAMS / "moe_sharded.py"), str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["expert_shards_False"] == 1 and out["expert_shards_True"] == 8
+    assert out["expert_shards_False"] == 1
+    assert out["expert_shards_True"] == 8
     np.testing.assert_allclose(np.asarray(out["logits_True"]), np.asarray(out["logits_False"]), atol=1e-5, rtol=0)
     assert out["tokens_True"] == out["tokens_False"]

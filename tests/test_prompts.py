@@ -158,5 +158,6 @@ def test_gemma3_270m_tokenizes_prompt_sets():
     for source in ("mtbench", "humaneval"):
         for conv in load_prompts(source, limit=5):
             ids = encode_prompt(tok, conv)
-            assert ids[0] == tok.bos_token_id and len(ids) > 5
+            assert ids[0] == tok.bos_token_id
+            assert len(ids) > 5
             assert tok.decode(ids[1:]) == f"User: {conv[0]['content']}\nAssistant:"

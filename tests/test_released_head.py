@@ -167,12 +167,15 @@ def test_released_gpt_oss_20b_head_round_trips(tmp_path):
         assert same_file(src / "model.safetensors", out["vllm"] / "model.safetensors")
         for fmt, folder in out.items():
             report = inspect_folder(folder)
-            assert report["problems"] == [] and report["mode"] == "parallel", (fmt, report["problems"])
+            assert report["problems"] == [], (fmt, report["problems"])
+            assert report["mode"] == "parallel", (fmt, report["problems"])
             spec = json.loads(report["serve"].split("'")[1])
-            assert spec["num_speculative_tokens"] == 7 and spec["parallel_drafting"] is True
+            assert spec["num_speculative_tokens"] == 7
+            assert spec["parallel_drafting"] is True
             back, back_arrays, _ = read_drafter(folder)
             assert back == config, fmt
-            assert set(back_arrays) == set(arrays) and all(same_bits(arrays[k], back_arrays[k]) for k in arrays), fmt
+            assert set(back_arrays) == set(arrays), fmt
+            assert all(same_bits(arrays[k], back_arrays[k]) for k in arrays), fmt
             del back_arrays
             shutil.rmtree(folder)
     finally:

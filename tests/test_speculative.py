@@ -289,7 +289,8 @@ def test_no_recompile_across_calls_in_one_bucket(models, monkeypatch):
     traces.clear()
     again = dec.generate(_prompts(4, seed=9), max_new_tokens=14)
     assert traces == []
-    assert [len(t) for t in first.tokens] == [10] * 3 and [len(t) for t in again.tokens] == [14] * 4
+    assert [len(t) for t in first.tokens] == [10] * 3
+    assert [len(t) for t in again.tokens] == [14] * 4
 
 
 def test_drafter_aux_ids_decide_and_are_reported():
@@ -304,7 +305,8 @@ def test_drafter_aux_ids_decide_and_are_reported():
     drafter.config = dataclasses.replace(drafter.config, aux_layer_ids=(5, 2, 4))  # any order: layer order
     prompts = _prompts(2, seed=11)
     res = SpeculativeDecoder(target, drafter, k=3).generate(prompts, max_new_tokens=6)
-    assert res.stats["aux_layer_ids"] == [2, 4, 5] and res.stats["aux_layer_ids_from"] == "drafter"
+    assert res.stats["aux_layer_ids"] == [2, 4, 5]
+    assert res.stats["aux_layer_ids_from"] == "drafter"
     same_ids = pj.load_target(VECTORS / "target", dtype="float32", aux_layer_ids=(2, 4, 5))
     ref = SpeculativeDecoder(same_ids, drafter, k=3)
     dec = SpeculativeDecoder(target, drafter, k=3)

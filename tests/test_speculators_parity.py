@@ -176,4 +176,5 @@ def test_speculators_loads_our_export_with_the_same_logits(case, tmp_path, monke
         np.testing.assert_array_equal(model.d2t.numpy(), drafter.d2t)
         np.testing.assert_array_equal(model.t2d.numpy(), drafter.t2d)
     else:
-        assert model.d2t is None and model.t2d is None
+        assert model.d2t is None
+        assert model.t2d is None

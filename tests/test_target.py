@@ -46,8 +46,10 @@ def test_matches_transformers(kind, built):
     logits, hidden_states = hf_tiny.hf_run(hf, ids)
 
     out = target.forward(ids)
-    assert out.logits.dtype == jnp.float32 and out.logits.shape == (2, 12, hf_tiny.VOCAB)
-    assert out.aux_hidden.shape == (2, 12, 3 * hf_tiny.HIDDEN) and out.cache is None
+    assert out.logits.dtype == jnp.float32
+    assert out.logits.shape == (2, 12, hf_tiny.VOCAB)
+    assert out.aux_hidden.shape == (2, 12, 3 * hf_tiny.HIDDEN)
+    assert out.cache is None
     np.testing.assert_allclose(np.asarray(out.logits), logits, rtol=0, atol=1e-4)
     aux = np.asarray(out.aux_hidden).reshape(2, 12, 3, -1)
     for j, layer in enumerate(AUX):
@@ -67,7 +69,9 @@ def test_old_rope_keys_parse_the_same(built, tmp_path):
         v4["rope_scaling"] = params
         assert target_config(v4) == target_config(v5)
     cfg = target_config(v5)
-    assert cfg.rope.type == "llama3" and cfg.rope.factor == 8.0 and cfg.tie_word_embeddings
+    assert cfg.rope.type == "llama3"
+    assert cfg.rope.factor == 8.0
+    assert cfg.tie_word_embeddings
 
 
 @pytest.mark.parametrize("kind", ["llama-gqa2-tied-llama3", "gemma3"])
@@ -136,7 +140,8 @@ def test_golden_tiny_target():
         pytest.skip("no golden vectors")
     data = np.load(GOLDEN / "propose.npz")
     target = pj.load_target(GOLDEN / "target", dtype="float32")
-    assert target.aux_layer_ids == (2, 4, 5) and target.tokenizer is None
+    assert target.aux_layer_ids == (2, 4, 5)
+    assert target.tokenizer is None
     out = target.forward(data["prompt"][None].astype(np.int32))
     _close(out.aux_hidden[0], data["aux_hidden"], 1e-5, "golden aux_hidden")
     assert int(jnp.argmax(out.logits[0, -1])) == int(data["bonus"])
@@ -149,9 +154,11 @@ def test_bf16_load(built):
     ids = hf_tiny.tokens(2, 12, seed=1)
     logits, _ = hf_tiny.hf_run(hf, ids)
     out = target.forward(ids)
-    assert out.logits.dtype == jnp.float32 and out.aux_hidden.dtype == jnp.bfloat16
+    assert out.logits.dtype == jnp.float32
+    assert out.aux_hidden.dtype == jnp.bfloat16
     err = np.abs(np.asarray(out.logits) - logits)
-    assert err.max() < 0.25 and err.mean() < 0.05, (err.max(), err.mean())
+    assert err.max() < 0.25, (err.max(), err.mean())
+    assert err.mean() < 0.05, (err.max(), err.mean())
     cache = target.init_cache(2, 16)
     assert cache[0][0].dtype == jnp.bfloat16
     step = target.apply(ids[:, :4], np.broadcast_to(np.arange(4), (2, 4)), cache)

@@ -77,7 +77,8 @@ def test_plain_fallback_masks_assistant_tokens_only():
     toks = tok.convert_ids_to_tokens(ids)
     assert toks[0] == "<bos>"
     assert _supervised(tok, ids, mask) == ["fine", "thanks", "</s>", "sure", "ok", "bye", "</s>"]
-    assert "Assistant" in toks and not any(m for t, m in zip(toks, mask) if t in ("User", "Assistant", ":"))
+    assert "Assistant" in toks
+    assert not any(m for t, m in zip(toks, mask) if t in ("User", "Assistant", ":"))
     prompt = encode_prompt(tok, CONV[:1])
     assert ids[: len(prompt)] == prompt
     assert tok.convert_ids_to_tokens(prompt)[-2:] == ["Assistant", ":"]

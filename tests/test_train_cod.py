@@ -30,7 +30,8 @@ def test_chains_are_nested_and_anchors_valid(seed):
     for a, d in rows:
         if d:
             assert (a, d - 1) in rows, (a, d)  # nested
-            assert sup[a + d] and doc[a + d] == doc[a] >= 0  # every deeper row is supervised
+            assert sup[a + d]  # every deeper row is supervised
+            assert doc[a + d] == doc[a] >= 0
     # sorted by (depth, anchor)
     assert np.all(np.diff(depth * 10_000 + anchor) > 0)
 
@@ -93,7 +94,8 @@ def test_batch_rows_outside_the_loss_mask_are_never_supervised():
         row_factor=3.0,
         length_buckets=1,
     )
-    assert b.tokens.shape == (2, 64) and b.anchor.shape == (2, 192)
+    assert b.tokens.shape == (2, 64)
+    assert b.anchor.shape == (2, 192)
     for i, e in enumerate(exs):
         n = len(e.ids)
         # row t predicts token t + 2: supervised iff that token is an assistant token
@@ -148,4 +150,5 @@ def test_chain_rows_cover_every_step():
     a, d, c = cod.chain_rows(doc, 3)
     assert len(a) == 48
     ok = c >= 0
-    assert np.all(a[ok] + d[ok] <= 9) and ok.sum() == 10 + 9 + 8
+    assert np.all(a[ok] + d[ok] <= 9)
+    assert ok.sum() == 10 + 9 + 8

@@ -58,7 +58,8 @@ def test_top1_hit_is_argmax_agreement_per_depth():
     top = jnp.argmax(teacher, -1)
     logits = logits.at[0, :20].set(teacher[0, :20] * 3)  # these rows agree, the rest by chance (~1/33)
     want = np.asarray(jnp.argmax(logits, -1) == top)
-    assert want[0, :20].all() and not want[1].all()
+    assert want[0, :20].all()
+    assert not want[1].all()
     np.testing.assert_array_equal(np.asarray(top1_hit(logits, top)), want)
     mask, depth = jnp.ones((2, 40), bool), jnp.asarray(rng.integers(0, 4, (2, 40)))
     a = draft_loss(logits, teacher, mask, depth, num_depths=4)
@@ -68,7 +69,8 @@ def test_top1_hit_is_argmax_agreement_per_depth():
     np.testing.assert_array_equal(np.asarray(b.correct), want_correct)
     np.testing.assert_array_equal(np.asarray(a.hit), want)  # per row, every row (the trainer logs these)
     tie = jnp.asarray([[0.0, 2.0, 2.0]])  # the teacher's top token ties the draft's maximum: a hit
-    assert bool(top1_hit(tie, jnp.asarray([2]))[0]) and not bool(top1_hit(tie, jnp.asarray([0]))[0])
+    assert bool(top1_hit(tie, jnp.asarray([2]))[0])
+    assert not bool(top1_hit(tie, jnp.asarray([0]))[0])
 
 
 def test_forward_kl_and_its_gradient_equal_autodiff_of_the_definition():

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -23,50 +22,16 @@ import xla_env
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2)]
 
-SCRIPT = textwrap.dedent("""
-    import contextlib, io, json, shutil, sys
-    from pathlib import Path
-    import jax
-    import train_runs
-    from train.__main__ import main
-
-    target, root = sys.argv[1], Path(sys.argv[2])
-    assert jax.device_count() == 8, jax.devices()
-    for mesh in json.loads(sys.argv[3]):
-        # (1, 4, 2) with the blockwise kernels (the first layer's slot attention): the dense reference's run
-        kernels = ["--model.attention", "kernels"] if mesh == [1, 4, 2] else []
-        assert main(train_runs.flags(target, root / "m{}{}{}".format(*mesh), mesh) + kernels) == 0, mesh
-    report = {"errors": {}}
-    for name, extra in {"mesh": ["--mesh.data", "3"], "batch": ["--data.batch_size", "4"]}.items():
-        err = io.StringIO()
-        with contextlib.redirect_stderr(err):
-            rc = main(train_runs.flags(target, root / f"bad-{name}", (8, 1, 1) if name == "batch" else None) + extra)
-        report["errors"][name] = [rc, err.getvalue()]
-    # resume: the (2,2,2) run's step-2 checkpoint continued on an (8,1,1) mesh
-    shutil.copytree(root / "m222", root / "resumed")
-    shutil.rmtree(root / "resumed" / "checkpoints" / "3")
-    assert main(train_runs.flags(target, root / "resumed", (8, 1, 1))) == 0
-    report["resumed_from"] = json.loads((root / "resumed" / "summary.json").read_text())["resumed_from_step"]
-    # how the (2,2,2) run's checkpoint lay on the mesh (orbax records each array's sharding)
-    import orbax.checkpoint as ocp
-
-    with ocp.StandardCheckpointer() as c:
-        md = c.metadata(root / "m222" / "checkpoints" / "3" / "state")
-    md = getattr(md, "item_metadata", md)
-    spec = lambda m: [list(a) if isinstance(a, tuple) else a for a in m.sharding.partition_spec]
-    report["params"] = {k: [list(v.shape), spec(v)] for k, v in md["params"].items()}
-    report["opt"] = [[list(v.shape), spec(v)] for v in md["opt"].values()]
-    print(json.dumps(report))
-""")
+PROGRAM = ROOT / "tests" / "programs" / "train_meshes.py"
 
 
 def eight_devices(tmp_path_factory, meshes):
-    """(root of the runs, the one-device reference OUT, the script's report)."""
+    """(root of the runs, the one-device reference OUT, the program's report)."""
     target, ref = train_runs.reference(str(tmp_path_factory.getbasetemp() / "train-reference"))
     root = tmp_path_factory.mktemp("meshes")
     env = {**xla_env.simulated_devices(8), "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(target), str(root), json.dumps(meshes)],
+        [sys.executable, str(PROGRAM), str(target), str(root), json.dumps(meshes)],
         env=env,
         capture_output=True,
         text=True,
@@ -113,11 +78,16 @@ def test_checkpoint_from_another_mesh_resumes_identically(mesh_runs):
 def test_mesh_and_batch_that_do_not_fit_are_one_line_errors(mesh_runs):
     _, _, report = mesh_runs
     rc, err = report["errors"]["mesh"]
-    assert rc == 1 and len(err.strip().splitlines()) == 1, err
-    assert "mesh.data=3" in err and "mesh.fsdp" in err and "8 devices" in err, err
+    assert rc == 1, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "mesh.data=3" in err, err
+    assert "mesh.fsdp" in err, err
+    assert "8 devices" in err, err
     rc, err = report["errors"]["batch"]
-    assert rc == 1 and len(err.strip().splitlines()) == 1, err
-    assert "data.batch_size=4" in err and "mesh.data x mesh.fsdp = 8" in err, err
+    assert rc == 1, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "data.batch_size=4" in err, err
+    assert "mesh.data x mesh.fsdp = 8" in err, err
 
 
 def test_state_lies_on_the_mesh_by_the_rule_table(mesh_runs):

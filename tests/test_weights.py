@@ -87,7 +87,8 @@ def test_export_reload_in_transformers(kind, built, tmp_path):
     again = pj.load_target(out, dtype="float32", aux_layer_ids=AUX)
     assert again.config == target.config
     a, b = _leaves(target.state), _leaves(again.state)
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
 def test_export_refuses_existing_folder(built, tmp_path):
@@ -117,12 +118,14 @@ def test_sharded_checkpoint(built, tmp_path):
     folder, hf = built("gemma3")
     hf.save_pretrained(str(tmp_path / "sharded"), max_shard_size="30KB")
     files = sorted(p.name for p in (tmp_path / "sharded").iterdir())
-    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) >= 2
+    assert "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) >= 2
     cfg = target_config(folder)
     _, one = load_params(folder, cfg)
     _, many = load_params(tmp_path / "sharded", cfg)
     a, b = _leaves(one), _leaves(many)
-    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys()
+    assert all(np.array_equal(a[k], b[k]) for k in a)
 
     # a shard named in the index but missing on disk
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())

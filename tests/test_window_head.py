@@ -146,7 +146,9 @@ def test_windowed_speculators_head_decodes_losslessly(kind, target, tmp_path):
     src = write(tmp_path / kind, speculators_config(kind), speculators_tensors(kind))
     d = load_drafter(src)
     c = d.config
-    assert c.layer_types == tuple(LAYER_TYPES) and c.sliding_window == WINDOW and c.window(1) == WINDOW
+    assert c.layer_types == tuple(LAYER_TYPES)
+    assert c.sliding_window == WINDOW
+    assert c.window(1) == WINDOW
     assert [layer.self_attn.window for layer in d.model.layers] == [None, WINDOW]
     mode = "parallel" if kind == "peagle" else "chain"
     assert c.mode == mode
@@ -169,7 +171,8 @@ def test_windowed_head_exports_back_bit_exactly(kind, tmp_path):
     assert sorted(back_tensors) == sorted(tensors)
     for key, want in tensors.items():
         got = back_tensors[key]
-        assert got.dtype == want.dtype and got.shape == want.shape, key
+        assert got.dtype == want.dtype, key
+        assert got.shape == want.shape, key
         assert got.tobytes() == want.tobytes(), key
     cfg = json.loads((out / "config.json").read_text())
     layer = cfg["transformer_layer_config"]
@@ -183,14 +186,16 @@ def test_windowed_head_exports_back_bit_exactly(kind, tmp_path):
     # the vLLM-native export: the keys vLLM's Llama attention reads per draft layer
     vllm = export_vllm(d, tmp_path / "vllm")
     vcfg = json.loads((vllm / "config.json").read_text())
-    assert vcfg["layer_types"] == LAYER_TYPES and vcfg["sliding_window"] == WINDOW
+    assert vcfg["layer_types"] == LAYER_TYPES
+    assert vcfg["sliding_window"] == WINDOW
     back = load_drafter(vllm)
     assert back.config == d.config
     vt = load_file(str(vllm / "model.safetensors"))
     assert vt["midlayer.self_attn.q_proj.weight"].tobytes() == tensors["layers.0.self_attn.q_proj.weight"].tobytes()
     # the lint reports the window; K 5 > window 4 is a warning (training and vLLM differ at depth >= 4)
     report = inspect_folder(src)
-    assert report["sliding_layers"] == [1] and report["sliding_window"] == WINDOW
+    assert report["sliding_layers"] == [1]
+    assert report["sliding_window"] == WINDOW
     assert not report["problems"], report["problems"]
     assert any("sliding window of 4 tokens" in n for n in report["notes"])
     assert any("sliding_window 4 < trained depth K 5" in w for w in report["warnings"])
@@ -219,16 +224,20 @@ def test_bad_window_keys_name_the_file_and_key(layer_extra, message, tmp_path):
 def test_window_keys_are_optional():
     """Written by speculators for a head whose layers are all full: no window anywhere."""
     c = read_speculators_config(speculators_config(layer_types=["full_attention"] * 2, use_sliding_window=False), "x")
-    assert not c.sliding and c.sliding_window == WINDOW and c.window(0) is None
+    assert not c.sliding
+    assert c.sliding_window == WINDOW
+    assert c.window(0) is None
     tl = speculators_config()["transformer_layer_config"]
     plain = {k: v for k, v in tl.items() if k not in ("layer_types", "sliding_window", "use_sliding_window")}
     c = read_speculators_config({**speculators_config(), "transformer_layer_config": plain}, "x")
-    assert c.layer_types == ("full_attention",) * 2 and c.sliding_window is None
+    assert c.layer_types == ("full_attention",) * 2
+    assert c.sliding_window is None
 
 
 def test_new_drafter_takes_a_window(target):
     c = new_drafter(target, num_layers=2, sliding_window=8).config
-    assert c.layer_types == ("sliding_attention",) * 2 and c.window(1) == 8  # speculators' default: all slide
+    assert c.layer_types == ("sliding_attention",) * 2
+    assert c.window(1) == 8  # speculators' default: all slide
     c = new_drafter(target, num_layers=2, sliding_window=8, layer_types=LAYER_TYPES).config
     assert [c.window(i) for i in range(2)] == [None, 8]
     assert not new_drafter(target, num_layers=2).config.sliding

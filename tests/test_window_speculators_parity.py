@@ -29,7 +29,8 @@ def test_speculators_applies_our_window_the_same_way(tmp_path, monkeypatch):
     drafter.save(own)
     assert main(["export", str(own), str(out), "--format", "speculators", "--dtype", "float32"]) == 0
     layer = json.loads((out / "config.json").read_text())["transformer_layer_config"]
-    assert layer["layer_types"] == list(kw["layer_types"]) and layer["sliding_window"] == 2
+    assert layer["layer_types"] == list(kw["layer_types"])
+    assert layer["sliding_window"] == 2
 
     rng = np.random.default_rng(1)
     input_ids = rng.integers(0, V, len(DOC_IDS))

@@ -67,7 +67,8 @@ def head(out: Path) -> dict[str, np.ndarray]:
 def assert_same_run(out: Path, ref: Path, rtol: float = 1e-5) -> None:
     """The same losses and the same trained head as the reference run (within rtol)."""
     got, want = records(out), records(ref)
-    assert len(got[0]) == len(want[0]) == 3 and len(got[1]) == len(want[1]) >= 1, (got, want)
+    assert len(got[0]) == len(want[0]) == 3, (got, want)
+    assert len(got[1]) == len(want[1]) >= 1, (got, want)
     np.testing.assert_allclose(got[0], want[0], rtol=rtol, err_msg=str(out))
     np.testing.assert_allclose(got[1], want[1], rtol=rtol, err_msg=str(out))
     a, b = head(out), head(ref)

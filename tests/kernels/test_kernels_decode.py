@@ -44,7 +44,8 @@ def test_decode_matches_reference(window, softcap, with_sinks, hkv):
     got = decode.attention(q, k, v, q_pos, scale=0.25, softcap=softcap, sinks=sk, window=window, block=16)
     want = _reference(q, k, v, q_pos, window, softcap, sk, 0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
-    assert np.all(np.asarray(got)[2] == 0) and np.all(np.asarray(got)[0, 4] == 0)
+    assert np.all(np.asarray(got)[2] == 0)
+    assert np.all(np.asarray(got)[0, 4] == 0)
 
 
 def test_decode_bf16_and_reads_only_filled_blocks():

@@ -73,13 +73,15 @@ def _check(backend, t, hq, hkv, d, dtype, window, softcap, with_sinks, native=Fa
     q, k, v, q_pos, sinks = _case(t, hq, hkv, d, dtype)
     kw = dict(window=window, softcap=softcap, sinks=sinks if with_sinks else None)
     got = _run(backend, q, k, v, q_pos, native=native, **kw)
-    assert got.shape == q.shape and got.dtype == q.dtype
+    assert got.shape == q.shape
+    assert got.dtype == q.dtype
     xla = _xla(q, k, v, q_pos, block=16, **kw)
     tol = TOL["bfloat16"] if native else None  # natively: bf16 tolerances for every dtype
     _close(got, xla, dtype, tol)
     _close(got, _reference(q, k, v, q_pos, **kw), dtype, tol)
     g = np.asarray(got, np.float32)
-    assert np.all(g[2] == 0) and np.all(g[q_pos == -1] == 0)  # padding rows give 0
+    assert np.all(g[2] == 0)
+    assert np.all(g[q_pos == -1] == 0)  # padding rows give 0
     return got
 
 
@@ -120,7 +122,8 @@ def _check_reads(backend, window, native=False):
     q, k, v, q_pos, sinks = _case(5, 4, 2, 32, jnp.float32)
     kw = dict(window=window, softcap=20.0, sinks=sinks)
     read = _read_slots(backend, q_pos, window)
-    assert read[0].sum() < read[1].sum() and not read[2].any()
+    assert read[0].sum() < read[1].sum()
+    assert not read[2].any()
     poison = jnp.asarray(~read)[:, :, None, None]
     clean = _run(backend, q, k, v, q_pos, native=native, **kw)
     got = _run(backend, q, jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v), q_pos, native=native, **kw)

@@ -87,11 +87,15 @@ def test_spec_pytree_and_constructors():
     peagle = AttentionSpec.peagle(pos, jnp.zeros_like(pos), doc, sliding_window=3)
     np.testing.assert_array_equal(causal.dense_mask(), peagle.dense_mask())
     leaves, tree = jax.tree_util.tree_flatten(causal)
-    assert len(leaves) == 6 and all(x.dtype == jnp.int32 for x in leaves)
+    assert len(leaves) == 6
+    assert all(x.dtype == jnp.int32 for x in leaves)
     m = jax.jit(lambda s: s.dense_mask())(causal)  # static fields survive jit
     np.testing.assert_array_equal(m, causal.dense_mask())
     mk = np.asarray(m[0])
-    assert mk[3, 0] == False and mk[3, 1] and mk[4, 3] == False and not mk[9].any()  # noqa: E712
+    assert mk[3, 0] == False  # noqa: E712
+    assert mk[3, 1]
+    assert mk[4, 3] == False  # noqa: E712
+    assert not mk[9].any()
     valid = AttentionSpec.causal(pos, q_valid=jnp.arange(10)[None] < 7)
     assert not np.asarray(valid.dense_mask())[0, 8].any()
     with pytest.raises(ValueError, match="sliding_window"):
@@ -117,7 +121,8 @@ def test_cod_layout_follows_the_cod_algorithm():
         for depth in range(1, K):
             want = int(max(0, n_valid - depth) * max(r**depth, r_min))
             got = int(np.sum((d == depth) & (c == dv)))
-            assert got <= want and (got == want or depth > 1)
+            assert got <= want
+            assert got == want or depth > 1
     lm = np.random.default_rng(1).random(n) < 0.5
     a2, d2, _ = cod_layout(n, K, rng=0, loss_mask=lm)
     assert np.all(lm[(a2 + d2)[d2 > 0]])  # deeper rows supervised

@@ -60,7 +60,8 @@ def _check(spec, bq, bk, num_ranges=16, exact=True):
         np.testing.assert_array_equal(bwd, fwd.transpose(0, 2, 1))
     fwd_full = _full_marks(sched.fwd_full, nk)
     bwd_full = _full_marks(sched.bwd_full, nq)
-    assert np.all(full >= fwd_full) and np.all(full.transpose(0, 2, 1) >= bwd_full)
+    assert np.all(full >= fwd_full)
+    assert np.all(full.transpose(0, 2, 1) >= bwd_full)
     assert np.all(fwd >= fwd_full)
     if exact:
         np.testing.assert_array_equal(fwd, nonempty)

@@ -51,7 +51,7 @@ def main() -> None:
     ap.add_argument("--old", default="4e7007d", help="the commit whose chain objective is compared")
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", default="bench/results/chain_objective_speed.json")
+    ap.add_argument("--json", default="runs/bench/chain_objective_speed.json")
     args = ap.parse_args()
     k, h, v, vd, length = 8, 640, 32000, 8192, args.length
     cfg = DrafterConfig(

@@ -8,7 +8,7 @@ new one (`kernels.decode`: only the blocks up to the longest filled length, or i
 layer's window). The reference row is the same step in a 512-slot cache at 256 filled tokens.
 
     python bench/decode_bench.py [--filled 256,1024,4096,16384] [--batch 1,4] [--reps 5] [--modes none,parallel]
-        [--json bench/results/decode_bench.json]
+        [--json runs/bench/decode_bench.json]
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--modes", default="none,parallel", help="none = a plain decode step, parallel = a K=7 round")
-    ap.add_argument("--json", default="bench/results/decode_bench.json")
+    ap.add_argument("--json", default="runs/bench/decode_bench.json")
     args = ap.parse_args()
     target = pj.load_target(prepare("gemma3-270m"), dtype="float32")
     drafter = pj.new_drafter(target, mode="parallel", draft_vocab=list(range(32768)), seed=0)

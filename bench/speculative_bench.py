@@ -6,7 +6,7 @@ verification of K+1 tokens alone, a whole round, and one plain decode step (mode
 Speedup at acceptance length AL = AL * plain_step / round, so the break-even acceptance
 length is round / plain_step.
 
-    python bench/speculative_bench.py [--json bench/results/speculative_bench.json]
+    python bench/speculative_bench.py [--json runs/bench/speculative_bench.json]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def measure(target, drafters, ks, reps: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default="bench/results/speculative_bench.json")
+    ap.add_argument("--json", default="runs/bench/speculative_bench.json")
     ap.add_argument("--ks", default="1,3,5,7")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--layers", type=int, default=1, help="drafter layers")

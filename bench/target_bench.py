@@ -2,7 +2,7 @@
 
     python bench/target_bench.py [--path DIR | --asset gemma3-270m] [--batch 1 8]
         [--prompt-len 128] [--new-tokens 32] [--repeats 3] [--torch-threads N]
-        [--json bench/results/target_bench.json]
+        [--json runs/bench/target_bench.json]
 
 For each batch size: prefill tokens/s (B * prompt_len / time of the prompt pass) and decode
 tokens/s (B * (new - 1) / time of the decode steps after the first token), float32, greedy,
@@ -137,7 +137,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--torch-threads", type=int, default=None, help="torch.set_num_threads (default: torch's own, = the cores)"
     )
-    p.add_argument("--json", default="bench/results/target_bench.json")
+    p.add_argument("--json", default="runs/bench/target_bench.json")
     args = p.parse_args(argv)
 
     import jax

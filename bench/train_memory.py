@@ -13,7 +13,7 @@ kills a child whose RSS passes --limit-gb, or when the machine's MemAvailable fa
 --reserve-gb, and records "out of memory" instead of letting the machine swap or OOM-kill.
 
     python bench/train_memory.py [--lengths 2048,8192,16384,32768] [--variants flat,partitioned]
-        [--rows-per-segment 8192] [--limit-gb 20] [--json bench/results/train_memory.json]
+        [--rows-per-segment 8192] [--limit-gb 20] [--json runs/bench/train_memory.json]
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def main() -> None:
     ap.add_argument("--limit-gb", type=float, default=20.0)
     ap.add_argument("--reserve-gb", type=float, default=1.0, help="kill a child when the machine has less available")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds per configuration")
-    ap.add_argument("--json", default="bench/results/train_memory.json")
+    ap.add_argument("--json", default="runs/bench/train_memory.json")
     a = ap.parse_args()
     results = []
     print(f"{'tokens':>7} {'rows':>7} {'variant':>12} {'S':>3} {'setup GB':>9} {'peak GB':>8} {'XLA temp GB':>11} "

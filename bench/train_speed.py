@@ -45,7 +45,7 @@ both split into draft vocab / embedding / attention / other by the shapes the op
 
     python bench/train_speed.py [--lengths 512,2048] [--repeats 5] [--their-attn sdpa,eager]
         [--threads N] [--train-embed] [--attention auto|dense|kernels] [--loss-fraction F] [--layers N] [--profile]
-        [--json bench/results/train_speed.json]
+        [--json runs/bench/train_speed.json]
 """
 
 from __future__ import annotations
@@ -441,7 +441,7 @@ def main(argv=None) -> int:
         help="supervised share of the positions (a prompt first; 0.7 = the bundled ShareGPT chats' token-weighted share)",
     )
     ap.add_argument("--small", action="store_true", help="a tiny random target instead of Gemma-3-270M (tests)")
-    ap.add_argument("--json", default="bench/results/train_speed.json")
+    ap.add_argument("--json", default="runs/bench/train_speed.json")
     a = ap.parse_args(argv)
     a.their_attn = [s for s in a.their_attn.split(",") if s]
     bad = sorted(set(a.their_attn) - set(ATTN))

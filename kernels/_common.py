@@ -87,8 +87,7 @@ def dscores(cfg: KernelConfig, p, dp, delta, t):
 
 def rowdot(a, b):
     """[B, Hq, Tq] f32 = sum_d a * b of two [B, Tq, Hq, D] arrays. Computed as "bth" and then moved:
-    XLA's CPU backend ran the "bht" einsum and a plain multiply-sum as a reduce 25x slower
-    (72 vs 2.7 ms at [1, 6656, 4, 256])."""
+    XLA's CPU backend runs the "bht" einsum and a plain multiply-sum as a much slower reduce."""
     out = jnp.einsum("bthd,bthd->bth", a.astype(jnp.float32), b.astype(jnp.float32))
     return jnp.moveaxis(out, 2, 1)
 

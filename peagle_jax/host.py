@@ -2,9 +2,9 @@
 
 XLA's CPU client allocates a compiled step's buffers on every call. glibc serves each large
 allocation with a fresh mmap (and per-thread arenas with their own heaps), so every call
-page-faults its buffers in again: ~500k faults and 1.1-1.5 s of system time per 2048-token
-training step on this 2-core machine, ~15% of the step (`bench/train_speed.py`). One heap
-that keeps freed memory makes the next call reuse the same pages.
+page-faults its buffers in again, and a training step pays that in system time on every call
+(docs/design/training-speed.md). One heap that keeps freed memory makes the next call reuse the
+same pages.
 """
 
 from __future__ import annotations

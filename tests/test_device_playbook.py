@@ -1,0 +1,223 @@
+"""bench/device.py, the device playbook: the --smoke run on CPU goes through every stage (kernels,
+train_step, train_head, evaluate) within its budget and records each in results.json; a stage
+that fails or hangs is recorded and the next one still runs; usage errors exit 2; the TPU
+kernel check runs interpreted."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "device.py"
+STAGES = ("kernels", "train_step", "train_head", "evaluate")
+
+
+def _module(name: str = "device"):
+    spec = importlib.util.spec_from_file_location(f"{name}_playbook", ROOT / "bench" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _playbook(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict | None, float]:
+    """The --smoke run: ~85 s alone on a 2-core CPU; a 3-minute budget, so that a loaded machine
+    (the other test workers) slows the stages rather than timing them out."""
+    t0 = time.monotonic()
+    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--minutes", "3", *flags]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    path = out / "results.json"
+    return proc, json.loads(path.read_text()) if path.exists() else None, time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("device") / "run"
+    proc, res, wall = _playbook(out)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return out, res, wall
+
+
+def test_smoke_runs_every_stage_within_its_budget(smoke):
+    out, res, wall = smoke
+    print(f"device playbook --smoke: {res['seconds']} s recorded, {wall:.1f} s wall")
+    for name in STAGES:
+        stage = res["stages"][name]
+        assert stage["status"] == "ok", (name, stage, (out / "logs" / f"{name}.log").read_text()[-3000:])
+        assert stage["seconds"] > 0 and stage["timeout_s"] > 0, name
+        assert stage["results"], name
+        assert (out / stage["log"]).is_file()
+    assert res["complete"] is True
+    assert res["command"].startswith("python bench/device.py --smoke")
+    assert res["device"]["platform"] == "cpu" and res["device"]["jax"]
+    assert Path(res["head"]).is_dir() and (out / "head" / "vllm" / "config.json").is_file()
+    assert sum(s["seconds"] for s in res["stages"].values()) <= res["seconds"]
+    assert res["seconds"] < 150  # the goal is 90 s; the margin is for a loaded CI machine
+
+
+def test_smoke_results_hold_each_stages_numbers(smoke):
+    _, res, _ = smoke
+    st = res["stages"]
+    assert all(r["status"] == "ok" for r in st["kernels"]["results"]["decode"]["decode"])
+    step = st["train_step"]["results"]
+    assert step["recipe"]["status"] == "ok" and step["recipe"]["step_s"] > 0
+    by = {(r["variant"], r["tokens"]): r for r in step["rows"]}
+    assert {("pallas", 64), ("xla", 64), ("pallas", 128)} <= set(by)  # 128: the doubling, up to the smoke cap
+    for r in by.values():
+        assert r["status"] == "ok" and r["step_ms"] > 0 and r["compile_s"] > 0 and r["tokens_per_second"] > 0
+    # both variants start from one state on the same rows: on CPU both are the XLA path
+    assert by["pallas", 64]["first_loss"] == pytest.approx(by["xla", 64]["first_loss"], rel=1e-4)
+    assert step["longest_fits"] == {"pallas": 128, "xla": 64} and step["longest_fits_capped"] is True
+    head = st["train_head"]["results"]
+    assert head["steps"] == 3 and head["train_tokens"] > 0 and head["tokens_per_second"] > 0
+    ev = st["evaluate"]["results"]
+    assert [r["k"] for r in ev["per_k"]] == [1, 2, 3]
+    for r in ev["per_k"]:
+        assert r["acceptance_length"] >= 1 and r["speedup"] > 0 and r["identical_greedy_outputs"] is True
+
+
+def test_a_failed_stage_is_recorded_and_the_next_one_runs(tmp_path):
+    proc, res, _ = _playbook(tmp_path / "run", "--fail-stage", "train_step", "--stages", "train_step,train_head")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    st = res["stages"]
+    assert st["kernels"]["status"].startswith("skipped: not selected")
+    assert st["train_step"]["status"] == "failed"
+    assert "forced failure (--fail-stage train_step)" in st["train_step"]["error"]
+    assert st["train_head"]["status"] == "ok" and st["train_head"]["results"]["steps"] == 3
+    assert st["evaluate"]["status"].startswith("skipped")
+    assert res["complete"] is True
+
+
+def test_a_hanging_stage_times_out_with_its_process_group(tmp_path):
+    mod = _module()
+    pid_file = tmp_path / "grandchild.pid"
+    hang = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)"
+    )
+    t0 = time.monotonic()
+    rec = mod.run_commands([[sys.executable, "-c", hang]], 3, tmp_path / "hang.log")
+    assert rec["status"] == "timeout" and "timed out after 3 s" in rec["error"]
+    assert time.monotonic() - t0 < 30
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # the grandchild got the SIGTERM too (its parent may not have reaped it yet)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the stage's grandchild survived its timeout")
+
+
+def test_failed_command_reports_its_last_line(tmp_path):
+    mod = _module()
+    cmds = [[sys.executable, "-c", "print('fine')"], [sys.executable, "-c", "raise ValueError('bad thing')"]]
+    rec = mod.run_commands(cmds, 60, tmp_path / "x.log")
+    assert rec == {"status": "failed", "error": "exit 1: ValueError: bad thing"}
+    assert "fine" in (tmp_path / "x.log").read_text()
+
+
+def test_budget_split():
+    mod = _module()
+    total = 600
+    assert mod.stage_timeout("kernels", total, 588, False) == pytest.approx(90)
+    assert mod.stage_timeout("train_step", total, 500, False) == pytest.approx(120)
+    assert mod.stage_timeout("train_head", total, 380, False) == pytest.approx(380 - 120)  # the rest less evaluate's
+    assert mod.stage_timeout("evaluate", total, 130, False) == pytest.approx(130)  # the last stage: what is left
+    assert mod.stage_timeout("kernels", total, 50, False) == pytest.approx(50)  # never past the deadline
+    assert mod.stage_timeout("kernels", 120, 117, True) == pytest.approx(117 - 3 * mod.SMOKE_FLOOR_S)
+    # a subset of the stages shares the whole budget in the same proportions
+    assert mod.stage_timeout("train_step", total, 588, False, ["train_step"]) == pytest.approx(588)
+    two = ["kernels", "train_step"]
+    assert mod.stage_timeout("kernels", total, 588, False, two) == pytest.approx(600 * 0.15 / 0.35)
+    assert mod.stage_timeout("train_step", total, 400, False, two) == pytest.approx(400)  # the last: what is left
+    assert sum(mod.shares().values()) == pytest.approx(1) and mod.shares()["train_head"] == pytest.approx(0.45)
+
+
+def _run(mod, tmp_path, platform: str, *flags: str):
+    argv = ["--out", str(tmp_path / "run"), *flags]
+    run = mod.Run(mod.parse_args(argv), argv)
+    run.platform = platform
+    run.path("stages").mkdir(parents=True)
+    return run
+
+
+def test_head_plan_fits_the_measured_step_rate_in_its_time(tmp_path):
+    mod = _module()
+    run = _run(mod, tmp_path, "gpu")
+    mod.write_json(run.path("stages", "train_step.json"), {"recipe": {"status": "ok", "step_s": 0.05}})
+    (cmd,), plan = mod.head_plan(run, 300)
+    assert cmd[1:4] == ["-m", "train", "--out"] and "--preset" not in cmd
+    flag = lambda name: cmd[cmd.index(name) + 1]  # noqa: E731
+    assert flag("--model.compute-dtype") == "bfloat16" and flag("--eval.enabled") == "False"
+    assert plan["steps"] == int(flag("--loop.steps")) == int(240 * 0.7 / 0.05)
+    assert int(flag("--loop.checkpoint-every")) == plan["steps"]  # one checkpoint, at the end
+    assert 30 <= int(flag("--loop.max-seconds")) < 300 - 60
+    assert int(flag("--data.max-conversations")) == plan["steps"]  # about one pass over the data
+    run.platform = "cpu"  # the CPU plan: float32, and without a measured step its guess
+    run.path("stages", "train_step.json").unlink()
+    (cmd,), plan = mod.head_plan(run, 300)
+    assert cmd[cmd.index("--model.compute-dtype") + 1] == "float32" and plan["recipe_step_s"] == 2.0
+
+
+def test_evaluate_plan_sizes_the_prompts_to_its_time(tmp_path):
+    mod = _module()
+    run = _run(mod, tmp_path, "tpu")
+    (run.path("head")).mkdir()
+    mod.write_json(run.path("head", "summary.json"), {"target": "/models/gemma"})
+    (cmd,), plan = mod.evaluate_plan(run, 120)
+    assert cmd[cmd.index("--target") + 1] == "/models/gemma" and cmd[cmd.index("--k") + 1] == "1,2,3,4,5,6,7"
+    assert cmd[cmd.index("--prompts") + 1] == "mtbench" and plan["prompts"] == 5
+    assert mod.evaluate_plan(run, 3600)[1]["prompts"] == 80  # all of MT-Bench
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--minutes", "0"], "--minutes must be positive"),
+        (["--stages", "kernels,nope"], "unknown stage(s) nope"),
+        (["--fail-stage", "nope"], "invalid choice"),
+    ],
+)
+def test_usage_errors_exit_2(tmp_path, flags, message):
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "o"), *flags], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and message in proc.stderr
+
+
+def test_out_must_be_new_or_empty(tmp_path):
+    (tmp_path / "results.json").write_text("{}")
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "not an empty folder" in proc.stderr
+
+
+def test_tpu_kernel_check_interpreted(tmp_path):
+    sys.path[:0] = [str(ROOT / "bench")]  # device_stages imports its sibling bench/device.py
+    try:
+        stages = _module("device_stages")
+        stages.tpu_kernels_stage(tmp_path / "tpu.json", time.monotonic() + 120, smoke=True)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    rows = json.loads((tmp_path / "tpu.json").read_text())["rows"]
+    assert {(r["kind"], r["impl"]) for r in rows} == {
+        ("attention", "xla"),
+        ("attention", "pallas_tpu"),
+        ("decode", "xla_decode"),
+        ("decode", "pallas_tpu"),
+    }
+    for r in rows:
+        assert r["status"] == "ok" and r["ms"] > 0, r
+        if r["impl"] == "pallas_tpu":
+            assert r["rel_err_vs_xla"] < 1e-4

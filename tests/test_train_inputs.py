@@ -257,11 +257,19 @@ def test_out_that_is_a_file_is_a_usage_error(tmp_path, capsys):
 
 
 def test_a_run_without_a_checkpoint_leaves_an_out_the_corrected_command_reuses(tmp_path, capsys, tiny_target):
+    """...and a time budget ends that run after its first step, with a checkpoint and a head."""
     out = tmp_path / "run"
     _saved_run(out, tiny_target, checkpoint=False)
     flags = ["--preset", "tiny", "--out", str(out), "--model.target", tiny_target, "--eval.enabled", "false"]
-    assert main([*flags, "--optim.lr", "0.002", "--loop.steps", "2", "--loop.progress", "false"]) == 0
+    steps = ["--loop.steps", "500", "--loop.progress", "false", "--loop.max_seconds", "1e-9"]
+    assert main([*flags, *steps, "--optim.lr", "0.002"]) == 0
     assert json.loads((out / "config.json").read_text())["optim"]["lr"] == 0.002
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 1
+    assert summary["stopped_early"] is True
+    assert (out / "vllm" / "config.json").exists()
+    kept = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
+    assert kept == [1]
 
 
 def test_a_non_finite_loss_stops_training_and_exports_nothing(tmp_path, capsys, tiny_target):
@@ -277,16 +285,3 @@ def test_a_non_finite_loss_stops_training_and_exports_nothing(tmp_path, capsys, 
     assert not (out / "head").exists()
     kept = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
     assert kept[-1] == step - 1  # the bad step was never checkpointed
-
-
-def test_a_time_budget_ends_the_run_early_with_a_checkpoint_and_a_head(tmp_path, capsys, tiny_target):
-    out = tmp_path / "budget"
-    flags = ["--preset", "tiny", "--out", str(out), "--model.target", tiny_target, "--eval.enabled", "false"]
-    steps = ["--loop.steps", "500", "--loop.checkpoint_every", "1000", "--loop.progress", "false"]
-    assert main([*flags, *steps, "--loop.max_seconds", "1e-9"]) == 0  # stops after the first step
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 1
-    assert summary["stopped_early"] is True
-    assert (out / "vllm" / "config.json").exists()
-    kept = [int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()]
-    assert kept == [1]

@@ -23,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -111,7 +112,7 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
 
 
 def run_one(length: int, segments: int, steps: int, limit_gb: float, reserve_gb: float, timeout: float) -> dict:
-    out = Path(f"/tmp/train_memory_{os.getpid()}_{length}_{segments}.json")
+    out = Path(tempfile.gettempdir()) / f"train_memory_{os.getpid()}_{length}_{segments}.json"
     out.unlink(missing_ok=True)
     cmd = [sys.executable, __file__, "--child", str(length), str(segments), str(steps), str(out)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -183,9 +183,26 @@ class Logging(Hook):
             self.evaluate(trainer)
 
 
+class Export(Hook):
+    """At the end of a finished run: the head gathered from every process (`head`), saved as
+    OUT/head and exported for vLLM as OUT/vllm by process 0 (`head_dir`, `vllm_dir`, `report`)."""
+
+    def __init__(self, out: Path, tpath: Path, cfg: C.TrainConfig):
+        self.out, self.tpath, self.cfg = out, tpath, cfg
+        self.head = self.head_dir = self.vllm_dir = None
+        self.report: dict = {}
+
+    def at_end(self, trainer, failed):
+        if failed:
+            return
+        self.head = trainer.head()  # every process takes part in the gather
+        if dist.is_main():
+            self.head_dir, self.vllm_dir, self.report = export_head(self.head, self.out, self.tpath, self.cfg)
+
+
 def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     """Trains, saves, exports and evaluates; the summary (None on processes other than 0).
-    `hooks` run after the trainer's own (logging, evaluation, checkpoints) at every step."""
+    `hooks` run after the trainer's own (logging, evaluation, checkpoints, export) at every step."""
     t0 = time.perf_counter()
     dist.setup(cfg.dist)  # before any JAX op: the devices of every process form one mesh
     from peagle_jax.sharding import device_mesh
@@ -213,13 +230,14 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     if start:
         log(f"resumed from {out / 'checkpoints'} at step {start}")
     metrics = MetricsLog(out, start, enabled=dist.is_main())
-    logging = Logging(metrics, ds.heldout, cfg.loop.eval_every)
+    logging, export = Logging(metrics, ds.heldout, cfg.loop.eval_every), Export(out, tpath, cfg)
     own = [
         StopOnNonFinite(),  # first: a non-finite step is neither logged nor checkpointed
         TimeBudget(cfg.loop.max_seconds),
         logging,
         Progress(trainer, cfg.loop.progress and dist.is_main()),
         Checkpointing(ckpt, cfg.loop.checkpoint_every),
+        export,  # last of the trainer's own: after the final evaluation and checkpoint
     ]
     t_train = time.perf_counter()
     trainer.fit(ds.train, [*own, *hooks], features=feature_cache(cfg, trainer, tpath))
@@ -229,18 +247,17 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
         f"trained {trainer.step - start} steps in {train_wall:.1f} s"
         + (f"; held-out loss {ev['eval_loss']:.4f}" if ev else "")
     )
-    head = trainer.head()  # gathered from every process
     if not dist.is_main():
         metrics.close()
         return None
-    head_dir, vllm_dir, report = export_head(head, out, tpath, cfg)
+    head_dir, vllm_dir, report = export.head_dir, export.vllm_dir, export.report
     log(f"saved {head_dir}, exported {vllm_dir}")
     summary = run_summary(cfg, trainer, ds, metrics, tpath, start, train_wall, ev)
     summary.update(head_dir=str(head_dir), vllm_dir=str(vllm_dir), export_warnings=report.get("warnings", []))
     if cfg.eval.enabled:
         if dist.multi_process():  # process 0 alone measures speed, on its own copy of the target
             target = load_target(cfg, out)[1]
-        summary["eval"] = measure_speed(cfg, target, head, log)
+        summary["eval"] = measure_speed(cfg, target, export.head, log)
     summary["serve"] = report.get("serve") or serve_command(
         vllm_dir, tpath, cfg.model.k_train, cfg.model.mode, target.config.model_type
     )

@@ -3,12 +3,20 @@
 round (both draft modes, over the KV cache) traced under `kernels.for_platform` and lowered for
 CUDA and TPU. The lowered text must hold the Pallas kernels (Triton / Mosaic custom calls: the
 "auto" backends really picked them), no float64 and no host callbacks; lowered for the CPU, the
-same step holds none of those kernels (the XLA path), which is what the count tells apart."""
+same step holds none of those kernels (the XLA path), which is what the count tells apart. On a
+(2, 2, 2) mesh the step lowers for CUDA; for TPU it does not yet (Mosaic kernels are not
+partitioned automatically: an expected failure that turns into a pass once they are wrapped)."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
+import xla_env
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
@@ -74,3 +82,21 @@ def test_the_speculative_round_lowers_with_the_decode_kernels(tiny_folder, platf
     cfg, _, state = dec.start([[2, 5, 7, 9, 11], [3, 4]], max_new_tokens=8)  # ragged batch
     text = sp.lower_round(cfg, *dec.modules(), state, platform).as_text()
     assert_accelerator_program(text, platform, least=1)
+
+
+MESH_PROGRAM = Path(__file__).resolve().parent / "programs" / "lower_on_mesh.py"
+MOSAIC_UNPARTITIONED = (
+    "Mosaic kernels cannot be partitioned automatically: on a TPU mesh kernels.attention's TPU path "
+    "needs a shard_map around its pallas_call (found by this lowering)"
+)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_the_train_step_lowers_on_a_mesh(tiny_folder, platform):
+    env = {**xla_env.simulated_devices(8), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    cmd = [sys.executable, str(MESH_PROGRAM), str(tiny_folder), platform]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    if platform == "tpu" and "Mosaic kernels cannot be automatically partitioned" in res.stderr:
+        pytest.xfail(MOSAIC_UNPARTITIONED)  # only this known refusal; anything else fails
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["kernel_calls"] >= 3

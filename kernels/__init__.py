@@ -15,6 +15,7 @@ This package depends on nothing else in the project.
 
 from . import chain, decode, dense, layouts, reference, schedule, slots
 from .api import attention, for_platform, platform, resolve_backend
+from .partition import partitioned
 from .schedule import BlockSchedule, make_schedule
 from .slots import slot_attention
 from .spec import AttentionSpec, visible
@@ -28,6 +29,7 @@ __all__ = [
     "resolve_backend",
     "platform",
     "for_platform",
+    "partitioned",
     "visible",
     "BlockSchedule",
     "make_schedule",

@@ -12,6 +12,7 @@ from . import _common as C
 from . import chain as _chain
 from . import dense as _dense
 from . import reference as _reference
+from .partition import per_shard
 from .schedule import DEFAULT_NUM_RANGES, build_schedule, pad_rows
 from .spec import AttentionSpec
 
@@ -175,14 +176,28 @@ def attention(
         block_k=bk,
         interpret=_hashable_interpret(interpret),
     )
-    qm = (pad_rows(spec.q_anchor, bq, 0), pad_rows(spec.q_depth, bq, 0), pad_rows(spec.q_doc, bq, -1))
-    km = (pad_rows(spec.kv_anchor, bk, 0), pad_rows(spec.kv_depth, bk, 0), pad_rows(spec.kv_doc, bk, -1))
-    sched = build_schedule(qm, km, bq, bk, spec.sliding_window, num_ranges)
-    qp = C.pad_axis(q, 1, bq)
-    kp = C.pad_axis(k, 1, bk)
-    vp = C.pad_axis(v, 1, bk)
-    out, lse = impl.op(cfg, qp, kp, vp, sinks, qm + km, sched)
-    out, lse = out[:, :Tq], lse[:, :, :Tq]
+    metas = (spec.q_anchor, spec.q_depth, spec.q_doc, spec.kv_anchor, spec.kv_depth, spec.kv_doc)
+
+    def blockwise(q, k, v, sinks, qa, qd, qc, ka, kd, kc):
+        qm = (pad_rows(qa, bq, 0), pad_rows(qd, bq, 0), pad_rows(qc, bq, -1))
+        km = (pad_rows(ka, bk, 0), pad_rows(kd, bk, 0), pad_rows(kc, bk, -1))
+        sched = build_schedule(qm, km, bq, bk, spec.sliding_window, num_ranges)
+        qp, kp, vp = C.pad_axis(q, 1, bq), C.pad_axis(k, 1, bk), C.pad_axis(v, 1, bk)
+        out, lse = impl.op(cfg, qp, kp, vp, sinks, qm + km, sched)
+        return out[:, :Tq], lse[:, :, :Tq]
+
+    if backend == "xla":  # XLA partitions the blockwise loop itself
+        out, lse = blockwise(q, k, v, sinks, *metas)
+    else:
+        layouts = ("bthd",) * 3 + ("h",) + ("bt",) * 6
+        out, lse = per_shard(
+            blockwise,
+            (q, k, v, sinks, *metas),
+            layouts,
+            ("bthd", "bht"),
+            batch=q.shape[0],
+            heads=(q.shape[2], k.shape[2]),
+        )
     return (out, lse) if return_lse else out
 
 

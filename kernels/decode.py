@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .api import resolve_backend
+from .partition import per_shard
 
 __all__ = ["attention", "filled_blocks", "DEFAULT_BLOCK", "DEFAULT_BLOCKS", "BACKENDS"]
 
@@ -69,16 +70,21 @@ def attention(
         raise ValueError(f"unknown decode attention backend {backend!r}; expected one of {BACKENDS}")
     backend = resolve_backend(backend)
     block = DEFAULT_BLOCKS[backend] if block is None else int(block)
-    kw = dict(scale=scale, softcap=softcap, sinks=sinks, window=window, block=block)
-    if backend == "gpu":
-        from . import decode_gpu
+    kw = dict(scale=scale, softcap=softcap, window=window, block=block)
+    if backend in ("gpu", "tpu"):
+        if backend == "gpu":
+            from . import decode_gpu as impl
 
-        return decode_gpu.attention(q, k_cache, v_cache, q_pos, interpret=bool(interpret), **kw)
-    if backend == "tpu":
-        from . import decode_tpu
+            interpret = bool(interpret)
+        else:
+            from . import decode_tpu as impl
 
-        return decode_tpu.attention(q, k_cache, v_cache, q_pos, interpret=interpret, **kw)
-    return _attention_xla(q, k_cache, v_cache, q_pos, **kw)
+        def kernel(q, k_cache, v_cache, q_pos, sinks):
+            return impl.attention(q, k_cache, v_cache, q_pos, sinks=sinks, interpret=interpret, **kw)
+
+        args, layouts = (q, k_cache, v_cache, q_pos, sinks), ("bthd", "bthd", "bthd", "bt", "h")
+        return per_shard(kernel, args, layouts, "bthd", batch=q.shape[0], heads=(q.shape[2], k_cache.shape[2]))
+    return _attention_xla(q, k_cache, v_cache, q_pos, sinks=sinks, **kw)
 
 
 def _attention_xla(q, k_cache, v_cache, q_pos, *, scale, softcap, sinks, window, block):

@@ -222,6 +222,7 @@ class SpeculativeDecoder:
             eos_ids=stops,
             temperature=temperature,
             top_p=top_p,
+            mesh=getattr(self.target, "mesh", None),
         )
 
     def modules(self) -> tuple:

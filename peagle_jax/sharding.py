@@ -10,12 +10,15 @@ the weights through XLA's sharding propagation inside the jitted engine.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+
+import kernels
 
 AXES = ("data", "fsdp", "tensor")
 
@@ -122,3 +125,12 @@ def tree_shardings(tree, mesh: jax.sharding.Mesh):
         return NamedSharding(mesh, spec_for(names[-1] if names else "", x.shape, mesh))
 
     return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def kernels_partitioned(mesh: jax.sharding.Mesh | None):
+    """The Pallas attention kernels traced per shard of `mesh` (`kernels.partitioned`): batch rows
+    over data x fsdp (as the "batch" role), heads over tensor (as the column-parallel q/k/v
+    projections split them). No effect without a mesh."""
+    if mesh is None:
+        return contextlib.nullcontext()
+    return kernels.partitioned(mesh, batch=ROLES["batch"][0], heads=("tensor",))

@@ -25,6 +25,7 @@ from flax import nnx
 import kernels
 from peagle_jax import cache as kv
 from peagle_jax.models.drafter import draft_to_target
+from peagle_jax.sharding import kernels_partitioned
 
 MODES = ("parallel", "chain", "none")
 
@@ -39,6 +40,7 @@ class EngineConfig:
     eos_ids: tuple[int, ...] = ()
     temperature: float = 0.0
     top_p: float = 1.0
+    mesh: jax.sharding.Mesh | None = None  # the target's mesh: the Pallas kernels run per shard of it
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -320,30 +322,33 @@ def jit_prefill(
 ) -> DecodeState:
     """Allocates both caches (`peagle_jax.cache` specs) and runs `prefill`."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
-    return prefill(
-        cfg,
-        target,
-        drafter,
-        prompt,
-        prompt_len,
-        budget,
-        kv.allocate(target_cache_shape),
-        kv.allocate(drafter_cache_shape),
-        key,
-    )
+    with kernels_partitioned(cfg.mesh):
+        return prefill(
+            cfg,
+            target,
+            drafter,
+            prompt,
+            prompt_len,
+            budget,
+            kv.allocate(target_cache_shape),
+            kv.allocate(drafter_cache_shape),
+            key,
+        )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3), donate_argnums=(5,))
 def jit_generate(cfg, target_def, target_state, drafter_def, drafter_state, state) -> DecodeState:
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
-    return generate_loop(cfg, target, drafter, state)
+    with kernels_partitioned(cfg.mesh):
+        return generate_loop(cfg, target, drafter, state)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3), donate_argnums=(5,))
 def jit_round(cfg, target_def, target_state, drafter_def, drafter_state, state) -> DecodeState:
     """One round (benchmarks time it; `generate` runs them in a device loop)."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
-    return decode_round(cfg, target, drafter, state)
+    with kernels_partitioned(cfg.mesh):
+        return decode_round(cfg, target, drafter, state)
 
 
 def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state, platform: str):
@@ -353,7 +358,8 @@ def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state
 
     def one_round(target_state, drafter_state, state):
         target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
-        return decode_round(cfg, target, drafter, state)
+        with kernels_partitioned(cfg.mesh):
+            return decode_round(cfg, target, drafter, state)
 
     with kernels.for_platform(platform):
         traced = jax.jit(one_round).trace(target_state, drafter_state, state)

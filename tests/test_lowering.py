@@ -4,8 +4,9 @@ round (both draft modes, over the KV cache) traced under `kernels.for_platform` 
 CUDA and TPU. The lowered text must hold the Pallas kernels (Triton / Mosaic custom calls: the
 "auto" backends really picked them), no float64 and no host callbacks; lowered for the CPU, the
 same step holds none of those kernels (the XLA path), which is what the count tells apart. On a
-(2, 2, 2) mesh the step lowers for CUDA; for TPU it does not yet (Mosaic kernels are not
-partitioned automatically: an expected failure that turns into a pass once they are wrapped)."""
+(2, 2, 2) mesh the step and a round lower for both, each kernel inside a shard_map region
+(`kernels.partitioned`: Mosaic refuses XLA's automatic partitioning), and the partitioned kernels
+compute what the unpartitioned ones do."""
 
 from __future__ import annotations
 
@@ -85,18 +86,25 @@ def test_the_speculative_round_lowers_with_the_decode_kernels(tiny_folder, platf
 
 
 MESH_PROGRAM = Path(__file__).resolve().parent / "programs" / "lower_on_mesh.py"
-MOSAIC_UNPARTITIONED = (
-    "Mosaic kernels cannot be partitioned automatically: on a TPU mesh kernels.attention's TPU path "
-    "needs a shard_map around its pallas_call (found by this lowering)"
-)
+PARTITION_PROGRAM = Path(__file__).resolve().parent / "programs" / "partitioned_kernels.py"
+
+
+def run_on_8_devices(*args) -> dict:
+    env = {**xla_env.simulated_devices(8), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run([sys.executable, *map(str, args)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_the_train_step_lowers_on_a_mesh(tiny_folder, platform):
-    env = {**xla_env.simulated_devices(8), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    cmd = [sys.executable, str(MESH_PROGRAM), str(tiny_folder), platform]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    if platform == "tpu" and "Mosaic kernels cannot be automatically partitioned" in res.stderr:
-        pytest.xfail(MOSAIC_UNPARTITIONED)  # only this known refusal; anything else fails
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1])["kernel_calls"] >= 3
+def test_the_train_step_and_a_round_lower_on_a_mesh(tiny_folder, platform):
+    got = run_on_8_devices(MESH_PROGRAM, tiny_folder, platform)
+    assert got["kernel_calls"] >= 3 and got["round_kernel_calls"] >= 1, got
+    assert got["manual"] >= 1 and got["round_manual"] >= 1, got  # the kernels run per shard
+
+
+def test_partitioned_kernels_match_the_unpartitioned_ones():
+    got = run_on_8_devices(PARTITION_PROGRAM)
+    assert got["manual_attention"] >= 1 and got["manual_decode"] >= 1, got
+    for name in ("out", "lse", "grads", "decode"):
+        assert got[name] <= 1e-5, (name, got)

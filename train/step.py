@@ -33,7 +33,7 @@ from flax import nnx
 import kernels
 from peagle_jax.dtypes import numpy_dtype
 from peagle_jax.models.drafter import DrafterModel, cod_rows_states, flat_state, param_key
-from peagle_jax.sharding import role_sharding, shard_state, tree_shardings
+from peagle_jax.sharding import kernels_partitioned, role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
 from train.loss import fused_draft_loss, next_rows, take_rows, teacher_logits, top_index
 from train.segments import attention_for, resolve_segments, segment_rows, segmented_loss
@@ -301,6 +301,9 @@ class TrainStep:
             self._eval = jax.jit(evaluate)
             self._feats = jax.jit(feats)
             return
+        online, from_features, evaluate, feats = (
+            _kernels_on(self.mesh, fn) for fn in (online, from_features, evaluate, feats)
+        )
         p, o, f, b, rep, t, hw = (sh[n] for n in ("params", "opt", "frozen", "batch", "rep", "target", "head_w"))
         out = (p, o, None)  # metrics: placed by `constrain`
         self._jit_online = lambda: jax.jit(  # noqa: E731
@@ -427,3 +430,14 @@ def batch_arrays(b) -> dict[str, np.ndarray]:
         "depth": b.depth,
         "doc": b.doc,
     }
+
+
+def _kernels_on(mesh, fn):
+    """fn traced with the Pallas kernels partitioned over `mesh` (`sharding.kernels_partitioned`)."""
+
+    @functools.wraps(fn)
+    def traced(*args):
+        with kernels_partitioned(mesh):
+            return fn(*args)
+
+    return traced

@@ -1,6 +1,8 @@
 """`python tests/programs/lower_on_mesh.py FOLDER PLATFORM`: the tiny preset's train step on a
 (2, 2, 2) mesh of 8 simulated CPU devices (XLA_FLAGS set by the caller), lowered for PLATFORM with
-its kernels; prints {"kernel_calls": N} as JSON (the Pallas custom calls in the lowered text)."""
+its kernels, and one speculative round (parallel mode) of the engine on that mesh; prints one JSON
+line: the Pallas custom calls in each lowered text (`kernel_calls`, `round_kernel_calls`) and
+their shard_map regions (`manual`, `round_manual`: each kernel runs per shard of the mesh)."""
 
 import json
 import sys
@@ -8,6 +10,8 @@ import sys
 import numpy as np
 
 import peagle_jax as pj
+from peagle_jax import speculative as sp
+from peagle_jax.generation import SpeculativeDecoder
 from peagle_jax.sharding import device_mesh
 from train.config import parse_args
 from train.data import Example
@@ -15,6 +19,7 @@ from train.step import batch_arrays
 from train.trainer import Trainer
 
 KERNEL_CALL = {"cuda": "xla.gpu.triton", "tpu": "tpu_custom_call"}
+MANUAL = "sdy.manual_computation"
 
 
 def main(folder: str, platform: str) -> None:
@@ -27,7 +32,14 @@ def main(folder: str, platform: str) -> None:
     batch = trainer.stepper.place_batch(batch_arrays(trainer.cod_batch(examples, 0)))
     t = trainer
     text = t.stepper.lower(t.params, t.opt_state, t.frozen, batch, platform).as_text()
-    print(json.dumps({"kernel_calls": text.count(KERNEL_CALL[platform])}))
+    res = {"kernel_calls": text.count(KERNEL_CALL[platform]), "manual": text.count(MANUAL)}
+
+    target = pj.load_target(folder, dtype="float32", mesh=device_mesh(2, 2, 2))
+    dec = SpeculativeDecoder(target, pj.new_drafter(target, num_layers=1, k_train=4), k=3, mode="parallel")
+    cfg, _, state = dec.start([[2, 5, 7, 9, 11], [3, 4], [6], [8, 9]], max_new_tokens=8)
+    text = sp.lower_round(cfg, *dec.modules(), state, platform).as_text()
+    res |= {"round_kernel_calls": text.count(KERNEL_CALL[platform]), "round_manual": text.count(MANUAL)}
+    print(json.dumps(res))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from peagle_jax.cli import DefaultsFormatter, OneLineParser, run
+from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run
+from peagle_jax.folders import unwritable
 
 Formatter = DefaultsFormatter
 
@@ -132,6 +133,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.command == "bench" and args.drafter and len(set(args.drafter)) != len(args.drafter):
         parser.error("--drafter: the same folder is given twice")
+    if args.command == "bench" and args.json_out:
+        why = unwritable(Path(args.json_out), "file")
+        if why:
+            parser.error(f"--json {args.json_out}: {why}")
     return args
 
 
@@ -214,7 +219,32 @@ def run_generate(args) -> None:
         )
 
 
+def check_k(args) -> None:
+    """--k against the target's context (config.json) before anything loads or compiles; the
+    decoder checks it again (DepthError). An unreadable config is left to the loader to report."""
+    from peagle_jax.generation import check_depth
+    from peagle_jax.serving import target_facts
+
+    if args.mode == "none":
+        return
+    try:
+        limit = target_facts(args.target)["max_position_embeddings"]
+    except (ValueError, OSError):
+        return
+    check_depth(max(args.k) if isinstance(args.k, list) else args.k, None, limit)
+
+
 def _work(args) -> int:
+    from peagle_jax.generation import DepthError
+
+    try:
+        return _dispatch(args)
+    except DepthError as err:
+        raise UsageError(f"--k: {err}") from None
+
+
+def _dispatch(args) -> int:
+    check_k(args)
     if args.command == "generate":
         run_generate(args)
         return 0

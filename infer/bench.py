@@ -105,6 +105,9 @@ def _batches(items, size):
 def source_prompt_ids(target, source: str, limit: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
     """Token ids of the prompts of `source` (mtbench | humaneval | a JSONL file) in the target's
     format; with `max_tokens`, longer prompts are left out; at most `limit` of them."""
+    if target.tokenizer is None:
+        where = getattr(target, "path", None) or "the target"
+        raise ValueError(f"--prompts {source}: text prompts need a tokenizer, and {where} has none (tokenizer.json)")
     ids = prompt_ids(target.tokenizer, load_prompts(source), max_tokens, limit)
     if not ids:
         raise ValueError(f"--prompts {source}: no prompts" + (f" of at most {max_tokens} tokens" if max_tokens else ""))

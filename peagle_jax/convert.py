@@ -26,7 +26,9 @@ peagle-convert import-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-s
   (`weights.target_tensors` + `registry.hf_config`, tokenizer files copied): the HF round trip.
 
 Exit status: 0 ok, 1 a problem with the input or output (one line `error: ...` on stderr naming
-the file and key), 2 a usage error. Normal output goes to stdout.
+the file and key), 2 a usage error, among them an OUT checked before any work: the input folder
+itself (or one holding it), a file, below a file, or in a folder that cannot be written. Normal
+output goes to stdout.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from peagle_jax.folders import (
     INDEX_FILE,
     check_destination,
     parse_size,
+    unwritable,
     write_hf_folder,
 )
 from peagle_jax.inspect import format_report, inspect_folder
@@ -60,6 +63,8 @@ __all__ = [
     "export_drafter",
     "import_drafter_folder",
     "convert_target",
+    "check_output",
+    "DestinationError",
     "parse_size",
     "INDEX_FILE",
     "FORMATS",
@@ -70,6 +75,25 @@ FORMATS = ("vllm", "speculators")
 
 class ConvertError(ValueError):
     """A problem with the input or the output (exit status 1)."""
+
+
+class DestinationError(ConvertError, UsageError):
+    """An output folder that cannot be written, or that would replace the input (exit status 2)."""
+
+
+def check_output(src: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """`out` as an absolute path, checked before any work: neither the input folder nor one
+    holding it (replacing it would destroy the input), not a file, and its nearest existing
+    parent a writable folder (missing parents are created). DestinationError naming OUT."""
+    dest, source = Path(out).absolute(), Path(src).resolve()
+    if dest.resolve() == source:
+        raise DestinationError(f"OUT {out}: is the input folder {src} (write the result to another folder)")
+    if dest.resolve() in source.parents:
+        raise DestinationError(f"OUT {out}: holds the input folder {src}; replacing it would delete the input")
+    why = unwritable(dest, "folder")
+    if why:
+        raise DestinationError(f"OUT {out}: {why}")
+    return dest
 
 
 # ---------------------------------------------------------------------------------------
@@ -123,7 +147,7 @@ def export_drafter(
     if fmt not in FORMATS:
         raise ConvertError(f"unknown format {fmt!r} ({', '.join(FORMATS)})")
     parse_size(max_shard_size)
-    dest = Path(out).absolute()
+    dest = check_output(ckpt, out)
     check_destination(dest, overwrite, CONFIG_FILE)
     cfg, arrays = _read_head(ckpt)
     notes: list[str] = []
@@ -190,7 +214,7 @@ def import_drafter_folder(
         raise ConvertError(f"{p}: no such file or folder")
     if not p.is_dir():
         raise ConvertError(f"{p}: not a folder")
-    dest = Path(out).absolute()
+    dest = check_output(p, out)
     check_destination(dest, overwrite, OWN_CONFIG_FILE)
     embeddings = None if target is None else _target_embeddings(Path(target))
     if not (p / OWN_CONFIG_FILE).exists() and not (p / CONFIG_FILE).exists():
@@ -234,7 +258,7 @@ def convert_target(
     if not p.is_dir():
         raise ConvertError(f"{p}: not a folder")
     parse_size(max_shard_size)
-    dest = Path(out).absolute()
+    dest = check_output(p, out)
     check_destination(dest, overwrite, CONFIG_FILE)
     d = _source_dtype(p) if dtype == "auto" else dtype
     tcfg = target_config(p)

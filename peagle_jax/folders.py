@@ -39,6 +39,21 @@ def check_destination(dest: Path, overwrite: bool, marker: str) -> None:
         raise FileExistsError(f"{dest}: exists and holds no {marker}; refusing to replace it")
 
 
+def unwritable(path: Path, want: str) -> str | None:
+    """Why nothing of kind `want` ("file" or "folder") can be written at `path` (None: it can):
+    `path` is not the other kind, and its nearest existing parent is a writable folder (missing
+    parents are created)."""
+    path = Path(path).absolute()
+    if path.exists() and path.is_dir() != (want == "folder"):
+        return f"exists and is a {'folder' if path.is_dir() else 'file'}, not a {want}"
+    parent = next(p for p in path.parents if p.exists())
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"folder {parent} is not writable"
+    return None
+
+
 def current_umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

@@ -73,6 +73,33 @@ def check_sampling(temperature, top_p) -> tuple[float, float]:
     return t, p
 
 
+class DepthError(ValueError):
+    """k too deep for the KV cache: no call could hold one round (the CLIs make it a usage error)."""
+
+
+def largest_k(positions: int) -> int:
+    """The deepest k whose smallest call (a 1-token prompt, 1 new token) fits `positions` KV-cache
+    slots: `kv.length_for(1, 1, k)` = 2k + 4 <= positions."""
+    return (int(positions) - kv.length_for(1, 1)) // 2
+
+
+def check_depth(k: int, cache_len: int | None, max_position_embeddings: int) -> None:
+    """DepthError naming k and the cache length when even the smallest call cannot hold one round
+    of k drafts: the KV cache is `cache_len` when fixed, and never sized for more than the
+    target's context (`max_position_embeddings`)."""
+    if cache_len is not None and cache_len < max_position_embeddings:
+        limit, what = cache_len, f"the KV cache of cache_len={cache_len} positions"
+    else:
+        limit, what = max_position_embeddings, f"the target's max_position_embeddings={max_position_embeddings}"
+    need = kv.length_for(1, 1, k)
+    if need > limit:
+        raise DepthError(
+            f"k={k} does not fit {what}: one round writes k+1 target and up to 2k drafter cache slots past "
+            f"the last token, so even a 1-token prompt and 1 new token need 2k+4={need} positions; "
+            f"the largest k is {max(largest_k(limit), 0)}"
+        )
+
+
 def _token_ids(prompt, where: str) -> list[int]:
     ids = np.asarray(prompt).tolist() if isinstance(prompt, (np.ndarray, jax.Array)) else list(prompt)
     bad = next((t for t in ids if not _is_int(t)), None)
@@ -112,7 +139,8 @@ class SpeculativeDecoder:
     """Speculative decoding of `target` with `drafter` ("parallel" | "chain"), or plain
     decoding ("none", drafter unused).
 
-    k: drafts per round. `deep_k`: what to do when k exceeds the depth the drafter was
+    k: drafts per round; DepthError (a ValueError) when no call could hold one round of k drafts
+    in the KV cache (`check_depth`). `deep_k`: what to do when k exceeds the depth the drafter was
     trained for ("error" or "warn"). `cache_len`: fixed KV cache length (default: sized per
     call from the prompts and max_new_tokens). `prompt_pad`: prompts are right-padded to a
     multiple of it (a larger value = fewer compiles over varied prompts). `eos_ids`: tokens
@@ -146,6 +174,7 @@ class SpeculativeDecoder:
         tcfg = target.config
         self.aux_layer_ids, self.aux_layer_ids_from = tuple(target.aux_layer_ids), "target"
         if mode != "none":
+            check_depth(self.k, self.cache_len, tcfg.max_position_embeddings)  # before any compile
             if drafter is None:
                 raise ValueError(f"mode {mode!r} needs a drafter")
             self._check_drafter(drafter.config, tcfg, deep_k)

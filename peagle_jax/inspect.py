@@ -3,13 +3,14 @@ that would stop vLLM (0.33) from serving it or silently cost acceptance.
 
 A folder's config.json is read once, by `peagle_jax.head_config.head_facts` (the same facts the
 importer validates), its tensors checked by the importer's `drafter_io.check_tensors` (headers,
-plus the small d2t / t2d), never the weights. The report lists `problems` (vLLM refuses the
-folder or serves it wrong: a missing tensor, which vLLM's EAGLE-3 loader leaves at its random
-init; a shape; d2t in a full-vocabulary head; H != Ht; not 3 aux layers; a mask id outside the
-vocabulary; a speculators fc_norm only the top level names; max_position_embeddings below the
-target's), `warnings`, `notes` and `serve`, the vLLM command line (`serving.serve_command`).
-The target is `target=DIR`, else the recorded verifier when it is on this machine. Our own
-checkpoint is checked as the vLLM config it exports to.
+plus the small d2t / t2d), and every float tensor read once, one at a time, for NaN / Inf. The
+report lists `problems` (vLLM refuses the folder or serves it wrong: a missing tensor, which
+vLLM's EAGLE-3 loader leaves at its random init; a shape; non-finite weights; d2t in a
+full-vocabulary head; H != Ht; not 3 aux layers; a mask id outside the vocabulary; a speculators
+fc_norm only the top level names; max_position_embeddings below the target's), `warnings`,
+`notes` and `serve`, the vLLM command line (`serving.serve_command`). The target is
+`target=DIR`, else the recorded verifier when it is on this machine. Our own checkpoint is
+checked as the vLLM config it exports to, its state restored for the NaN / Inf check.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
+from peagle_jax.cli import one_line
 from peagle_jax.config import NUM_AUX, ConfigError, DrafterConfig, read_json
-from peagle_jax.drafter_io import OWN_CONFIG_FILE, check_tensors
+from peagle_jax.drafter_io import FLOAT_DTYPES, OWN_CONFIG_FILE, OWN_STATE_DIR, check_tensors, read_own
 from peagle_jax.folders import CONFIG_FILE
 from peagle_jax.head_config import (
     AUX_KEY,
@@ -105,8 +109,10 @@ def _inspect_own(folder: Path, shown: Path, target) -> dict:
         raise InspectError(f"{shown / OWN_CONFIG_FILE}: {err}") from None
     raw = speculators_config(cfg) if cfg.qk_norm else vllm_config(cfg)
     fnd = _Findings()
-    if not (folder / "state").is_dir():
-        fnd.problem(f"{shown / 'state'}: missing (our checkpoint holds drafter.json and state/)")
+    if not (folder / OWN_STATE_DIR).is_dir():
+        fnd.problem(f"{shown / OWN_STATE_DIR}: missing (our checkpoint holds drafter.json and state/)")
+    else:
+        _check_own_finite(folder, shown, fnd)
     facts = head_facts(raw, str(shown / OWN_CONFIG_FILE))
     report = _report(folder, shown, raw, facts, cfg.mode, target, fnd, own=True)
     report.update(format="own", architecture=None, speculators_model_type=None, dtype=meta.get("dtype"), serve=None)
@@ -357,6 +363,49 @@ def _check_tensors(ckpt, cfg: DrafterConfig | None, mode: str, fnd: _Findings, r
         )
     if cfg is not None:
         _check_table(ckpt, cfg, keys, fnd, shown_as)
+    _check_finite(ckpt, fnd, shown_as)
+
+
+def non_finite(arr) -> str | None:
+    """None when every value of `arr` is finite, else how many are not, e.g. "3 non-finite
+    values (2 NaN, 1 Inf) of 4096"."""
+    arr = np.asarray(arr)
+    if arr.dtype.kind in "iub":
+        return None
+    nan = int(np.count_nonzero(np.isnan(arr)))
+    bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
+    if not bad:
+        return None
+    return f"{bad} non-finite value{'s' if bad > 1 else ''} ({nan} NaN, {bad - nan} Inf) of {arr.size}"
+
+
+def _check_finite(ckpt, fnd: _Findings, shown_as) -> None:
+    """Every float tensor of `ckpt` read once: NaN / Inf weights are a problem (vLLM loads them and
+    drafts from NaN logits)."""
+    from peagle_jax.weights import WeightsError
+
+    for name in sorted(k for k in ckpt.keys() if ckpt.dtype(k) in FLOAT_DTYPES):
+        try:
+            found = non_finite(ckpt.read(name))
+        except WeightsError as err:
+            fnd.problem(shown_as(str(err)))
+            continue
+        if found:
+            fnd.problem(shown_as(f"{ckpt.where[name]}: tensor {name!r} holds {found}"))
+
+
+def _check_own_finite(folder: Path, shown: Path, fnd: _Findings) -> None:
+    """Our checkpoint's state restored (what export and load_drafter read): NaN / Inf weights, or
+    a state that cannot be restored, are problems."""
+    state = shown / OWN_STATE_DIR
+    try:
+        _, arrays, _ = read_own(folder)
+    except (OSError, ValueError) as err:
+        return fnd.problem(one_line(err).replace(str(folder), str(shown)))
+    for path in sorted(arrays, key=str):
+        found = non_finite(arrays[path])
+        if found:
+            fnd.problem(f"{state}: tensor {'.'.join(map(str, path))!r} holds {found}")
 
 
 def _check_table(ckpt, cfg: DrafterConfig, keys: set, fnd: _Findings, shown_as) -> None:

@@ -8,6 +8,7 @@ nothing left behind) and the target HF round trip. Tiny shapes, CPU only. The li
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -551,6 +552,61 @@ def test_broken_own_checkpoint(own, tmp_path, capsys):
     shutil.copytree(src, broken)
     (broken / "drafter.json").write_text("{not json")
     expect_failure(capsys, tmp_path, ["export", broken, tmp_path / "out", "--format", "vllm"], names=["drafter.json"])
+
+
+def _bytes_of(folder: Path) -> dict:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_output_onto_its_input_is_refused(own, good_src, tmp_path, capsys):
+    """`export V V --overwrite` would rewrite a float32 head onto itself in bf16, and replacing a
+    folder that holds the input would delete it: one line naming OUT, exit 2, every input byte kept."""
+    own_src, _ = own
+    run_dir = tmp_path / "run"
+    head = write_folder(run_dir / "v", vllm_config(vd=40), hand_tensors(vd=40))
+    (run_dir / "config.json").write_text("{}")  # the marker --overwrite would accept
+    (tmp_path / "link").symlink_to(head)
+    before = {f: _bytes_of(f) for f in (head, own_src, good_src)}
+    for argv, what in (
+        (["export", head, head, "--format", "vllm", "--overwrite"], "is the input folder"),
+        (["export", head, tmp_path / "link", "--format", "speculators", "--overwrite"], "is the input folder"),
+        (["export", head, run_dir / "v" / ".." / "v", "--format", "vllm", "--overwrite"], "is the input folder"),
+        (["export", head, run_dir, "--format", "vllm", "--overwrite"], "holds the input folder"),
+        (["import", own_src, own_src, "--overwrite"], "is the input folder"),
+        (["import-target", good_src, good_src, "--overwrite"], "is the input folder"),
+        (["export-target", good_src, good_src, "--overwrite"], "is the input folder"),
+    ):
+        expect_failure(capsys, tmp_path, argv, code=2, names=["OUT", what])
+    assert {f: _bytes_of(f) for f in (head, own_src, good_src)} == before
+
+
+def test_output_destination_checked_before_any_work(own, good_src, tmp_path, capsys):
+    """OUT below a file, or a file itself: one line naming OUT and the file, exit 2, before the head
+    is read (export-target of a head folder would fail on its config only later)."""
+    src, _ = own
+    f = tmp_path / "file"
+    f.write_text("x")
+    for argv, what in (
+        (["export", src, f / "out", "--format", "vllm"], f"OUT {f / 'out'}: {f} is a file, not a folder"),
+        (["export", src, f / "a" / "b", "--format", "speculators"], f"OUT {f / 'a' / 'b'}: {f} is a file"),
+        (["export", src, f, "--format", "vllm", "--overwrite"], f"OUT {f}: exists and is a file"),
+        (["import", src, f / "out"], f"OUT {f / 'out'}: {f} is a file"),
+        (["export-target", good_src, f / "out"], f"OUT {f / 'out'}: {f} is a file"),
+    ):
+        expect_failure(capsys, tmp_path, argv, code=2, names=[what])
+    assert f.read_text() == "x"
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into any folder")
+def test_output_in_an_unwritable_folder(own, tmp_path, capsys):
+    src, _ = own
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    try:
+        line = expect_failure(capsys, tmp_path, ["export", src, locked / "out", "--format", "vllm"], code=2)
+    finally:
+        locked.chmod(0o700)
+    assert f"folder {locked} is not writable" in line
 
 
 @pytest.mark.parametrize(

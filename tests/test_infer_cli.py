@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ import pytest
 import peagle_jax as pj
 from infer import SpeculativeDecoder
 from infer.__main__ import main
+from peagle_jax.generation import largest_k
 
 
 def _word_tokenizer(folder) -> None:
@@ -147,3 +150,75 @@ def test_usage_errors_are_one_line(argv, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: python -m infer"), err
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+# ---------------------------------------------------------------------------------------
+# checked before anything loads or compiles
+@pytest.mark.parametrize("case", ["a folder", "below a file", "unwritable"])
+def test_bench_json_destination_is_checked_before_loading(case, tmp_path, capsys):
+    """A --json FILE that cannot be written fails in the parser (exit 2), not after the benchmark;
+    the target does not exist, so exit 2 (not 1) shows that nothing was loaded."""
+    if case == "unwritable" and os.geteuid() == 0:
+        pytest.skip("root writes into any folder")
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    dest, why = {
+        "a folder": (tmp_path, "exists and is a folder, not a file"),
+        "below a file": (blocker / "res" / "bench.json", f"{blocker} is a file, not a folder"),
+        "unwritable": (locked / "bench.json", f"folder {locked} is not writable"),
+    }[case]
+    argv = ["bench", "--target", str(tmp_path / "no-target"), "--drafter", str(tmp_path / "d"), "--json", str(dest)]
+    assert main(argv) == 2
+    assert f"--json {dest}: {why}" in _one_error_line(capsys)
+    assert blocker.read_text() == "x"
+
+
+@pytest.mark.parametrize("deep_k", [[], ["--deep-k", "warn"]])
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_k_deeper_than_the_cache_is_a_usage_error(assets, command, deep_k, tmp_path, capsys):
+    """--k 100000 on a 128-position target: one line, exit 2, before the target loads (not the
+    deep-k error, and not minutes of compiling with --deep-k warn)."""
+    root, _ = assets
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w5 w6"}\n')
+    argv = [command, "--target", str(root / "target"), "--drafter", str(root / "drafter"), *deep_k]
+    if command == "generate":
+        argv += ["--k", "100000", "--prompt-ids", "1,2"]
+    else:
+        argv += ["--k", "3,100000", "--prompts", str(prompts), "--max-new-tokens", "2"]
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert "--k: k=100000 does not fit the target's max_position_embeddings=128" in line, line
+    assert "need 2k+4=200004 positions; the largest k is 62" in line, line
+
+
+def test_k_is_checked_against_the_cache_at_both_sides_of_the_boundary(assets):
+    """The largest k whose smallest call (1-token prompt, 1 new token) fits still generates; one
+    more is a ValueError naming k and the cache length, raised by the constructor."""
+    root, target = assets
+    drafter = pj.load_drafter(root / "drafter")
+    assert largest_k(128) == 62 and largest_k(64) == 30
+    for cache_len, largest, named in ((None, 62, "max_position_embeddings=128"), (64, 30, "cache_len=64")):
+        with pytest.warns(UserWarning, match="trained depth"):
+            dec = SpeculativeDecoder(target, drafter, k=largest, deep_k="warn", cache_len=cache_len)
+        assert len(dec.generate([[5]], max_new_tokens=1).tokens[0]) == 1
+        want = rf"k={largest + 1} does not fit .*{re.escape(named)}.*the largest k is {largest}$"
+        with pytest.raises(ValueError, match=want):
+            SpeculativeDecoder(target, drafter, k=largest + 1, deep_k="warn", cache_len=cache_len)
+
+
+def test_text_prompts_without_a_tokenizer_name_the_target():
+    import types
+
+    from infer.bench import source_prompt_ids
+
+    with pytest.raises(ValueError, match="need a tokenizer, and /x/target has none"):
+        source_prompt_ids(types.SimpleNamespace(tokenizer=None, path="/x/target"), "mtbench")

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from head_folders import (
+    BF16,
     MASK_KEYS,
     H,
     V,
@@ -24,7 +25,7 @@ from head_folders import (
 )
 from safetensors.numpy import load_file, save_file
 
-from peagle_jax.drafter import load_drafter
+from peagle_jax.drafter import Drafter, load_drafter
 from peagle_jax.drafter_io import checkpoint_key, export_speculators, export_vllm, key_map
 from peagle_jax.inspect import inspect_folder
 from peagle_jax.serving import SERVE_K, serve_command, serve_k
@@ -165,6 +166,39 @@ def test_inspect_own_checkpoint(own, capsys):
     assert r["format"] == "own"
     assert r["draft_vocab_size"] == 40
     assert r["k_hints"] == {"k_train": 6}
+
+
+# ---------------------------------------------------------------------------------------
+# non-finite weights: vLLM loads them and drafts from NaN logits
+@pytest.mark.parametrize("fmt", ["vllm", "speculators-bf16"])
+def test_inspect_reports_non_finite_weights(fmt, tmp_path, capsys):
+    """Each tensor with NaN / Inf values is a problem naming it and the count (float32 and bf16)."""
+    if fmt == "vllm":
+        cfg, t = vllm_config(vd=40), hand_tensors(vd=40)
+    else:
+        cfg, t = speculators_cfg(vd=40), hand_tensors(vd=40, layer0="layers.0.", dtype=BF16)
+    t["fc.weight"][0, :2] = np.nan
+    t["norm.weight"][3] = -np.inf
+    src = write_folder(tmp_path / "h", cfg, t)
+    p = problems_of(capsys, src)
+    assert "tensor 'fc.weight' holds 2 non-finite values (2 NaN, 0 Inf) of 3072" in p
+    assert "tensor 'norm.weight' holds 1 non-finite value (0 NaN, 1 Inf) of 32" in p
+    assert p.count("non-finite") == 2
+
+
+def test_inspect_reports_non_finite_weights_of_our_checkpoint(tmp_path, capsys):
+    """Our checkpoint's state is restored and checked too, and export refuses such a head."""
+    d = random_drafter()
+    arrays = d.arrays()
+    arrays["fc", "kernel"] = arrays["fc", "kernel"].copy()
+    arrays["fc", "kernel"][1, :3] = [np.nan, np.inf, np.nan]
+    folder = Drafter.from_arrays(d.config, arrays).save(tmp_path / "ckpt")
+    p = problems_of(capsys, folder)
+    assert f"{folder / 'state'}: tensor 'fc.kernel' holds 3 non-finite values (2 NaN, 1 Inf) of 3072" in p
+    rc, _, err = run(capsys, "export", folder, tmp_path / "out", "--format", "vllm")
+    assert rc == 1
+    assert "'fc.weight' holds 3 non-finite values" in one_error_line(err)
+    assert not (tmp_path / "out").exists()
 
 
 # ---------------------------------------------------------------------------------------

@@ -25,7 +25,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from peagle_jax.config import LAYER_TYPES, NUM_AUX, ConfigError, DrafterConfig, RopeConfig, validate_aux_layer_ids
+from peagle_jax.config import (
+    HEAD_FIELDS,
+    HEAD_LAYER_FIELDS,
+    LAYER_TYPES,
+    NUM_AUX,
+    ConfigError,
+    DrafterConfig,
+    RopeConfig,
+    check_attention,
+    check_fields,
+    validate_aux_layer_ids,
+)
 from peagle_jax.dtypes import EXPORT, dtype_name
 from peagle_jax.models.registry import ARCHITECTURES, architecture_of
 
@@ -136,15 +147,8 @@ def head_facts(raw: dict, where: str) -> HeadFacts:
 
 
 def _sizes(layer: dict, where: str) -> dict:
-    out = {}
-    for key in SIZE_KEYS:
-        value = layer.get(key)
-        if value is None:
-            raise ConfigError(f"{where}: missing key {key!r}")
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where}: key {key!r} has invalid value {value!r} (a positive int)")
-        out[key] = value
-    return out
+    check_fields(layer, {k: HEAD_LAYER_FIELDS[k] for k in SIZE_KEYS}, where)
+    return {k: layer[k] for k in SIZE_KEYS}
 
 
 def _dict(raw: dict, key: str, where: str) -> dict:
@@ -233,20 +237,41 @@ def _speculators_facts(raw: dict, where: str, kind: str, layer: dict) -> HeadFac
 
 # ---------------------------------------------------------------------------------------
 # strict: facts -> DrafterConfig
-def _bool(value, where: str, key: str) -> bool:
-    if value is None:
-        return False
-    if not isinstance(value, bool):
-        raise ConfigError(f"{where}: key {key!r} must be true or false, got {value!r}")
-    return value
+K_TRAIN_KEYS = {
+    "vllm": f"{EXTRA_KEY}.k_train",
+    "speculators": "speculators_config.proposal_methods[0].speculative_tokens",
+}
 
 
-def _int(value, where: str, key: str, default=None):
-    if value is None:
-        return default
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{where}: key {key!r} has invalid value {value!r} (a non-negative int)")
-    return value
+def _or(value, default):
+    return default if value is None else value
+
+
+def _check_head_fields(f: HeadFacts) -> None:
+    """The layer config against `config.HEAD_LAYER_FIELDS`, the head's own keys against
+    `config.HEAD_FIELDS` (ids bounded by the vocabulary), the attention shape against
+    `config.ATTENTION_RULES`: ConfigError naming the file and the key."""
+    check_fields(f.layer, HEAD_LAYER_FIELDS, f.layer_where)
+    own = {
+        "draft_vocab_size": f.draft_vocab_size,
+        "target_hidden_size": f.target_hidden_size,
+        **f.mask_ids,
+        K_TRAIN_KEYS[f.fmt]: f.k_train,
+        "norm_before_residual": f.norm_before_residual,
+        "norm_before_fc": f.norm_before_fc,
+        **{n: places["top"] for n, places in f.layer_flags.items() if "top" in places},
+    }
+    spec = {**HEAD_FIELDS, K_TRAIN_KEYS[f.fmt]: HEAD_FIELDS["k_train"]}
+    check_fields(own, spec, f.where, bounds={"vocab_size": f.sizes["vocab_size"]})
+    hidden, heads = f.sizes["hidden_size"], f.sizes["num_attention_heads"]
+    check_attention(
+        f.layer_where,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=f.layer.get("num_key_value_heads") or heads,
+        head_dim=f.layer.get("head_dim") or hidden // heads,
+        head_dim_given=f.layer.get("head_dim") is not None,
+    )
 
 
 def rope_params(cfg: dict, where: str, *, flat: bool = False) -> dict:
@@ -276,14 +301,14 @@ def _layer_fields(f: HeadFacts) -> dict:
         hidden_size=hidden,
         num_layers=s["num_hidden_layers"],
         num_heads=heads,
-        num_kv_heads=_int(tl.get("num_key_value_heads"), where, "num_key_value_heads", heads),
-        head_dim=_int(tl.get("head_dim"), where, "head_dim", hidden // heads),
+        num_kv_heads=_or(tl.get("num_key_value_heads"), heads),
+        head_dim=_or(tl.get("head_dim"), hidden // heads),
         intermediate_size=s["intermediate_size"],
         vocab_size=s["vocab_size"],
         rms_norm_eps=float(tl.get("rms_norm_eps", 1e-6)),
         rope=RopeConfig.from_dict(rope_params(tl, where, flat=True), 10000.0, f"{where} key {rope_key!r}"),
-        max_position_embeddings=_int(tl.get("max_position_embeddings"), where, "max_position_embeddings", 2048),
-        attention_bias=_bool(tl.get("attention_bias"), where, "attention_bias"),
+        max_position_embeddings=_or(tl.get("max_position_embeddings"), 2048),
+        attention_bias=bool(tl.get("attention_bias")),
         hidden_act=tl.get("hidden_act", "silu"),
         layer_types=layer_types,
         sliding_window=window,
@@ -353,31 +378,30 @@ def drafter_config(f: HeadFacts) -> DrafterConfig:
         raise ConfigError(
             f"{f.where}: key 'eagle_config.use_aux_hidden_state' is false (EAGLE-1 heads are unsupported)"
         )
+    _check_head_fields(f)
     layer = _layer_fields(f)
-    key = next(iter(f.mask_ids), "mask_token_id")
-    mask_id = _int(f.mask_id, f.where, key)
+    mask_id = f.mask_id
     if f.fmt == "speculators" and f.mode == "parallel" and mask_id is None:
         raise ConfigError(f"{f.where}: missing key 'mask_token_id' (required for a peagle head)")
-    flags = {
-        n: _bool(f.flag(n), f.layer_where if "layer" in f.layer_flags.get(n, {}) else f.where, n) for n in LAYER_FLAGS
-    }
+    flags = {n: bool(f.flag(n)) for n in LAYER_FLAGS}
+    aux, qk_norm = _aux(f), _qk_norm(f)  # their errors name the file already
     try:
         return DrafterConfig(
             **layer,
-            target_hidden_size=_int(f.target_hidden_size, f.where, "target_hidden_size") or layer["hidden_size"],
-            draft_vocab_size=_int(f.draft_vocab_size, f.where, "draft_vocab_size") or layer["vocab_size"],
+            target_hidden_size=_or(f.target_hidden_size, layer["hidden_size"]),
+            draft_vocab_size=_or(f.draft_vocab_size, layer["vocab_size"]),
             mode=f.mode or ("parallel" if mask_id is not None else "chain"),
             mask_token_id=mask_id,
-            aux_layer_ids=_aux(f),
-            k_train=_int(f.k_train, f.where, "k_train"),
-            norm_before_residual=_bool(f.norm_before_residual, f.where, "norm_before_residual"),
-            norm_before_fc=_bool(f.norm_before_fc, f.where, "norm_before_fc"),
-            qk_norm=_qk_norm(f),
+            aux_layer_ids=aux,
+            k_train=f.k_train,
+            norm_before_residual=bool(f.norm_before_residual),
+            norm_before_fc=bool(f.norm_before_fc),
+            qk_norm=qk_norm,
             target_model_type=f.target_family,
             verifier=f.verifier,
             **flags,
         )
-    except ConfigError as err:
+    except ConfigError as err:  # DrafterConfig's own checks name no file
         raise ConfigError(f"{f.where}: {err}") from None
 
 

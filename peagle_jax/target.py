@@ -18,6 +18,7 @@ at different lengths.
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +29,15 @@ import numpy as np
 from flax import nnx
 
 from peagle_jax import cache as kv
-from peagle_jax.config import TargetConfig, read_json, validate_aux_layer_ids
+from peagle_jax.cli import one_line
+from peagle_jax.config import (
+    GENERATION_FIELDS,
+    ConfigError,
+    TargetConfig,
+    check_fields,
+    read_json,
+    validate_aux_layer_ids,
+)
 from peagle_jax.models.decoder import DecoderOutput, embedding_arrays
 from peagle_jax.models.registry import target_config
 from peagle_jax.sharding import shard_state
@@ -50,6 +59,8 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "generation_config.json",
 )
+# the JSON files transformers reads to build a tokenizer (a corrupt one is named on failure)
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
 # ---------------------------------------------------------------------------------------
@@ -146,13 +157,11 @@ class Target:
 
     @property
     def tokenizer(self):
-        """transformers AutoTokenizer of the folder, or None when it has no tokenizer files."""
+        """transformers AutoTokenizer of the folder, or None when it has no tokenizer files
+        (`load_tokenizer`: ConfigError naming the file when one is corrupt)."""
         if not self._tokenizer_loaded:
+            self._tokenizer = None if self.path is None else load_tokenizer(self.path)
             self._tokenizer_loaded = True
-            if self.path is not None and any((self.path / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
-                from transformers import AutoTokenizer
-
-                self._tokenizer = AutoTokenizer.from_pretrained(str(self.path))
         return self._tokenizer
 
     def _check_tokens(self, tokens, name="input_ids") -> np.ndarray | jax.Array:
@@ -208,10 +217,8 @@ class Target:
         generation_config.json's, as Hugging Face `generate` does (Gemma 3's chat turns end with
         `<end_of_turn>`, which only the generation config names)."""
         ids = list(self.config.eos_token_id)
-        gen = None if self.path is None else self.path / "generation_config.json"
-        if gen is not None and gen.is_file():
-            value = read_json(gen).get("eos_token_id")
-            ids += [value] if isinstance(value, int) else list(value or [])
+        if self.path is not None:
+            ids += generation_eos_ids(self.path, self.config.vocab_size)
         return tuple(sorted({int(i) for i in ids}))
 
     def embedding_arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -226,6 +233,55 @@ class Target:
         if self.path is not None:
             extra = [self.path / f for f in TOKENIZER_FILES if (self.path / f).exists()]
         return export_target(self.config, self.state, path, overwrite=overwrite, extra_files=extra)
+
+
+def generation_eos_ids(folder: Path, vocab_size: int) -> list[int]:
+    """The `eos_token_id` of the folder's generation_config.json ([] without one), its token
+    ids checked against `config.GENERATION_FIELDS`: ConfigError naming the file and the key."""
+    gen = Path(folder) / "generation_config.json"
+    if not gen.is_file():
+        return []
+    raw = read_json(gen)
+    check_fields(raw, GENERATION_FIELDS, str(gen), bounds={"vocab_size": vocab_size})
+    value = raw.get("eos_token_id")
+    return [value] if isinstance(value, int) else list(value or [])
+
+
+def load_tokenizer(folder: str | os.PathLike):
+    """transformers' AutoTokenizer of `folder`, or None when it has neither tokenizer.json nor
+    tokenizer.model. A tokenizer transformers cannot build is a ConfigError of one line naming
+    the file at fault (`_tokenizer_problem`), not the library's bare JSON or Rust error."""
+    folder = Path(folder)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as err:  # noqa: BLE001 - transformers and tokenizers raise many kinds
+        raise ConfigError(_tokenizer_problem(folder, err)) from None
+
+
+def _tokenizer_problem(folder: Path, err: Exception) -> str:
+    """Why the tokenizer of `folder` failed to load: the first JSON file that does not parse,
+    else a tokenizer.json the tokenizers library rejects, else transformers' own error."""
+    for name in TOKENIZER_JSON_FILES:
+        path = folder / name
+        if path.is_file():
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as bad:
+                return f"{path}: unreadable tokenizer file, invalid JSON ({one_line(bad)})"
+    path = folder / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(path))
+        except Exception as bad:  # noqa: BLE001 - the Rust library raises a plain Exception
+            return f"{path}: not a tokenizer the tokenizers library can read ({one_line(bad)})"
+    culprit = path if path.is_file() else folder / "tokenizer.model"
+    return f"{culprit}: transformers cannot build a tokenizer from it ({type(err).__name__}: {one_line(err)})"
 
 
 def default_dtype() -> str:
@@ -245,7 +301,9 @@ def load_target(
     dtype: "bfloat16" or "float32" (params, activations and KV cache; norms and softmax run
     in f32, logits are f32); None = `default_dtype()` (float32 on CPU, bfloat16 on GPU/TPU).
     aux_layer_ids: 3 distinct layer ids, default (2, L//2, L-3).
-    Raises ConfigError / WeightsError (ValueErrors naming the file and key).
+    Raises ConfigError / WeightsError (ValueErrors naming the file and key): config.json and
+    generation_config.json are checked field by field (`config.TARGET_FIELDS`) before any weight
+    is read; the tokenizer is loaded on first use (`Target.tokenizer`).
     """
     folder = Path(path)
     if not folder.is_dir():
@@ -253,6 +311,7 @@ def load_target(
     cfg = target_config(folder)
     # fail before reading any weight
     validate_aux_layer_ids(cfg.default_aux_layer_ids() if aux_layer_ids is None else aux_layer_ids, cfg.num_layers)
+    generation_eos_ids(folder, cfg.vocab_size)
     graphdef, state = load_params(folder, cfg, default_dtype() if dtype is None else dtype)
     if mesh is not None:
         state = shard_state(state, mesh)

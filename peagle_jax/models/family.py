@@ -53,7 +53,8 @@ def eos_ids(value) -> tuple[int, ...]:
 
 
 def common_fields(cfg: dict, family: str, where: str) -> dict[str, Any]:
-    """The TargetConfig fields every family reads the same way."""
+    """The TargetConfig fields every family reads the same way (their types and ranges were
+    checked by `registry.target_config` against `config.TARGET_FIELDS`)."""
     hidden = int(require(cfg, "hidden_size", where))
     heads = int(require(cfg, "num_attention_heads", where))
     return dict(
@@ -96,10 +97,13 @@ def common_hf(c: TargetConfig) -> dict[str, Any]:
 
 def rope_v4_or_v5(cfg: dict, where: str, default_theta: float = 10000.0) -> RopeConfig:
     """A flat rope: v5 `rope_parameters`, else v4 `rope_theta` + `rope_scaling`."""
-    params = cfg.get("rope_parameters")
+    params, key = cfg.get("rope_parameters"), "rope_parameters"
     if params is None:
-        params = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", default_theta)}
-    return RopeConfig.from_dict(params, default_theta, f"{where} key 'rope_parameters'")
+        params, key = (
+            {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", default_theta)},
+            "rope_scaling",
+        )
+    return RopeConfig.from_dict(params, default_theta, f"{where} key {key!r}")
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")

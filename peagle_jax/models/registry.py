@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from peagle_jax.config import ConfigError, TargetConfig, read_json
+from peagle_jax.config import TARGET_FIELDS, ConfigError, TargetConfig, check_attention, check_fields, read_json
 from peagle_jax.models.family import Family
 
 FAMILY_MODULES = ("llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss")
@@ -36,7 +36,9 @@ def architecture_of(family_name: str | None) -> str | None:
 
 
 def target_config(source: str | Path | dict) -> TargetConfig:
-    """A `TargetConfig` from a Hugging Face folder, a config.json path, or its parsed dict."""
+    """A `TargetConfig` from a Hugging Face folder, a config.json path, or its parsed dict.
+    ConfigError naming the file and the key when a value breaks `config.TARGET_FIELDS` (types,
+    ranges, token ids in the vocabulary) or `config.ATTENTION_RULES`."""
     where = "config dict"
     if not isinstance(source, dict):
         path = Path(source)
@@ -45,9 +47,29 @@ def target_config(source: str | Path | dict) -> TargetConfig:
         where = str(path)
         source = read_json(path)
     raw_type = source.get("model_type")
-    if raw_type not in MODEL_TYPES:
+    if not isinstance(raw_type, str) or raw_type not in MODEL_TYPES:
         raise ConfigError(f"{where}: unknown model_type {raw_type!r} (supported: {', '.join(sorted(MODEL_TYPES))})")
-    return MODEL_TYPES[raw_type].parse(dict(source), where)
+    body, prefix = source, ""
+    if raw_type == "gemma3" and "text_config" in source:  # the multimodal wrapper: its text tower is read
+        body, prefix = source["text_config"], "text_config."
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: text_config must be an object, got {body!r}")
+    check_fields(body, TARGET_FIELDS, where, prefix=prefix)
+    try:
+        cfg = MODEL_TYPES[raw_type].parse(dict(source), where)
+    except ConfigError as err:  # TargetConfig's own checks name no file
+        raise ConfigError(str(err) if str(err).startswith(where) else f"{where}: {err}") from None
+    derived = cfg.hidden_size // cfg.num_heads
+    check_attention(
+        where,
+        prefix,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        head_dim_given=body.get("head_dim") is not None or cfg.head_dim != derived,
+    )
+    return cfg
 
 
 def hf_config(cfg: TargetConfig) -> dict:

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from peagle_jax.config import (
+from peagle_jax.config import NUM_AUX, DrafterConfig, RopeConfig, validate_aux_layer_ids
+from peagle_jax.config_fields import (
     HEAD_FIELDS,
     HEAD_LAYER_FIELDS,
     LAYER_TYPES,
-    NUM_AUX,
     ConfigError,
-    DrafterConfig,
-    RopeConfig,
     check_attention,
     check_fields,
-    validate_aux_layer_ids,
 )
 from peagle_jax.dtypes import EXPORT, dtype_name
 from peagle_jax.models.registry import ARCHITECTURES, architecture_of

@@ -30,14 +30,8 @@ from flax import nnx
 
 from peagle_jax import cache as kv
 from peagle_jax.cli import one_line
-from peagle_jax.config import (
-    GENERATION_FIELDS,
-    ConfigError,
-    TargetConfig,
-    check_fields,
-    read_json,
-    validate_aux_layer_ids,
-)
+from peagle_jax.config import TargetConfig, validate_aux_layer_ids
+from peagle_jax.config_fields import GENERATION_FIELDS, ConfigError, check_fields, read_json
 from peagle_jax.models.decoder import DecoderOutput, embedding_arrays
 from peagle_jax.models.registry import target_config
 from peagle_jax.sharding import shard_state

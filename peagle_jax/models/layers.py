@@ -15,7 +15,8 @@ from flax import nnx
 
 import kernels
 from kernels import AttentionSpec
-from peagle_jax.config import ACTIVATION_NAMES, RopeConfig
+from peagle_jax.config import RopeConfig
+from peagle_jax.config_fields import ACTIVATION_NAMES
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,

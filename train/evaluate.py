@@ -1,5 +1,7 @@
-"""End-of-run evaluation: acceptance length and speedup of the trained head against plain
-greedy decoding on held-out prompts (the speculative engine of `peagle_jax.generation`).
+"""Evaluation of a trained head. `measure`: acceptance length and speedup against plain greedy
+decoding on held-out prompts (the speculative engine of `peagle_jax.generation`).
+`HeldoutSet`: simulated acceptance on held-out sequences with its standard error, cheap
+enough to compare many heads (see its docstring).
 
 Each prompt is decoded alone (batch 1, the regime speculative decoding targets), in the
 trainer's own prompt format (`peagle_jax.chat.encode_prompt`); every prompt is padded to one
@@ -11,11 +13,20 @@ are checked equal to plain greedy decoding (greedy speculative decoding is lossl
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from peagle_jax.generation import SpeculativeDecoder
+from peagle_jax.models.drafter import cod_rows_forward
+from train import cod
+from train.loss import next_rows, take_rows, top_index
+from train.metrics import anchor_acceptance, clustered_mean
 
-__all__ = ["measure"]
+__all__ = ["measure", "HeldoutSet"]
 
 
 def _run(dec: SpeculativeDecoder, prompts, max_new: int):
@@ -53,3 +64,94 @@ def measure(target, drafter, prompts: list[list[int]], *, ks, mode: str, max_new
             "identical_to_greedy": same,
         }
     return out
+
+
+class HeldoutSet:
+    """Held-out sequences scored the way one greedy round would be, for any head.
+
+    Every supervised anchor gets its parallel draft of depths 0..k-1 in one pass (COD rows with
+    r = 1: every chain kept); a depth is right when the draft's target id equals the target's
+    own greedy token there (argmax over the full vocabulary of its logits at that position, so
+    a token outside the draft vocabulary is a miss). An anchor's acceptance is 1 + its leading
+    right depths; the mean is over anchors whose k rows are all supervised, with a standard
+    error over sequences (`train.metrics.clustered_mean`). On target-regenerated answers it is
+    what the engine would accept from those positions. `features(example) -> (aux [L, 3H],
+    y [L, H])` as the trainer computes them; the target's greedy tokens are computed once."""
+
+    def __init__(self, target, examples: list, features, *, k: int = 7, max_len: int = 256):
+        self.k, self.examples = k, examples
+        w = jnp.asarray(target.embedding_arrays()[1])
+        softcap = target.config.final_logit_softcapping
+        self.rows, self.feats, self.greedy = [], [], []
+        for e in examples:
+            b = cod.make_batch(
+                [e],
+                step=0,
+                seed=0,
+                max_len=max_len,
+                mode="parallel",
+                k=k,
+                r=1.0,
+                r_min=1.0,
+                max_anchors=None,
+                row_factor=float(k + 1),
+                length_buckets=1,
+                row_granularity=512,
+            )
+            aux, y = features(e)
+            self.rows.append(b)
+            self.feats.append(jnp.asarray(aux)[None])
+            self.greedy.append(_greedy_next(jnp.asarray(y)[None], w, softcap))
+
+    def anchor_lengths(self, drafter, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(anchors, acceptance lengths) of held-out sequence `i` under `drafter`."""
+        b = self.rows[i]
+        d2t = jnp.asarray(drafter.d2t)
+        hit = _row_hits(
+            self.k,
+            drafter.graphdef,
+            drafter.state,
+            d2t,
+            b.tokens,
+            self.feats[i],
+            self.greedy[i],
+            b.anchor,
+            b.depth,
+            b.doc,
+        )
+        sup = np.take_along_axis(b.sup, np.clip(b.anchor + b.depth, 0, b.sup.shape[1] - 1), axis=1)
+        return anchor_acceptance(np.asarray(hit)[0], sup[0], b.anchor[0], b.depth[0], b.doc[0], self.k)
+
+    def acceptance(self, drafter) -> dict:
+        """{"acceptance", "se", "anchors", "sequences", "by_depth"} of `drafter`; by_depth[d]: the
+        share of anchors whose drafts 0..d are all right."""
+        sums, counts, ends = [], [], np.zeros(self.k + 1)
+        for i in range(len(self.rows)):
+            _, lengths = self.anchor_lengths(drafter, i)
+            sums.append(lengths.sum())
+            counts.append(len(lengths))
+            ends += np.bincount(lengths.astype(int) - 1, minlength=self.k + 1)
+        mean, se = clustered_mean(np.asarray(sums), np.asarray(counts))
+        n = max(sum(counts), 1)
+        reach = [float(ends[d + 1 :].sum() / n) for d in range(self.k)]
+        return {"acceptance": mean, "se": se, "anchors": int(sum(counts)), "sequences": len(counts), "by_depth": reach}
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def _greedy_next(y, w, softcap):
+    """[1, L] the target's greedy token after each position (row t: the target at t + 1)."""
+    logits = jnp.einsum("blh,vh->blv", next_rows(y), w)
+    if softcap:
+        logits = softcap * jnp.tanh(logits / softcap)
+    return top_index(logits)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _row_hits(k, graphdef, state, d2t, tokens, aux, greedy, anchor, depth, doc):
+    """[1, N] whether each COD row's draft (as a target id) is the target's greedy token."""
+    model = nnx.merge(graphdef, state)
+    logits = cod_rows_forward(model, next_rows(tokens), aux, anchor, depth, doc, mask="kernels", chain_depth=k - 1)
+    top = top_index(logits)
+    drafted = top + jnp.take(d2t, top)
+    ref = jnp.clip(anchor + depth, 0, tokens.shape[1] - 1)
+    return drafted == take_rows(greedy, ref)

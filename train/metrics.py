@@ -122,3 +122,35 @@ def stats_record(s: dict, eval_k: int) -> dict:
         "cond_acc": cacc.tolist(),
         "sim_tau": float(1.0 + cacc[:eval_k].sum()),
     }
+
+
+def anchor_acceptance(hit, sup, anchor, depth, doc, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per anchor whose rows of depths 0..k-1 all exist and are supervised: the simulated
+    acceptance length 1 + (leading depths whose draft is right), what one greedy round from
+    that position would accept. Host numpy rows of one sequence -> (anchors, lengths)."""
+    chains: dict[int, list] = {}
+    for h, s, a, d, c in zip(hit, sup, anchor, depth, doc):
+        if c >= 0 and d < k:
+            chains.setdefault(int(a), [None] * k)[int(d)] = bool(h) if s else None
+    anchors, lengths = [], []
+    for a, chain in sorted(chains.items()):
+        if any(x is None for x in chain):
+            continue  # a depth missing or unsupervised: no full round measurable from here
+        lead = next((i for i, x in enumerate(chain) if not x), k)
+        anchors.append(a)
+        lengths.append(1 + lead)
+    return np.asarray(anchors, np.int64), np.asarray(lengths, np.float64)
+
+
+def clustered_mean(sums: np.ndarray, counts: np.ndarray) -> tuple[float, float]:
+    """(mean, standard error) of a ratio of per-cluster sums over per-cluster counts (positions
+    of one sequence are correlated; sequences are the independent units)."""
+    sums, counts = np.asarray(sums, np.float64), np.asarray(counts, np.float64)
+    total = counts.sum()
+    if total == 0:
+        return float("nan"), float("nan")
+    mean = sums.sum() / total
+    n = int((counts > 0).sum())
+    resid = sums - mean * counts
+    se = np.sqrt(n / max(n - 1, 1) * np.sum(resid**2)) / total
+    return float(mean), float(se)

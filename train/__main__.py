@@ -7,6 +7,7 @@ non-zero exit (`peagle_jax.cli.run`: 2 a bad flag, 1 a failed run, 130 interrupt
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +34,7 @@ def train(cfg, hooks: Sequence = ()) -> int:
     if summary.get("prepared_only"):
         print(f"data prepared: {summary['out']}/summary.json (data.prepare_only: no head trained)")
         return 0
+    check_losses(summary)
     print(f"head: {summary['head_dir']}")
     print(f"vllm: {summary['vllm_dir']}")
     acc = ", ".join(f"{a:.2f}" for a in summary["per_depth_accuracy"])
@@ -51,6 +53,23 @@ def train(cfg, hooks: Sequence = ()) -> int:
         )
     print(f"serve: {summary['serve']}")
     return 0
+
+
+def check_losses(summary: dict) -> None:
+    """A TrainError (exit 1) when the run's summary holds a loss that is not finite: a last guard
+    behind `train.loop.StopOnNonFinite` (which checks every step's loss, gradient and updated
+    parameters) for the held-out loss."""
+    from train.loop import TrainError
+
+    heldout = summary.get("heldout") or {}
+    losses = {"first_loss": summary.get("first_loss"), "final_loss": summary.get("final_loss")}
+    losses["held-out loss"] = heldout.get("eval_loss")
+    for name, value in losses.items():
+        if value is not None and not math.isfinite(value):
+            raise TrainError(
+                f"the run's {name} is {value} (not finite): its head in {summary['head_dir']} is not usable; "
+                "lower optim.lr or the weight decay and train again in a new --out"
+            )
 
 
 if __name__ == "__main__":

@@ -4,18 +4,33 @@ choices, each refused with one line naming its flag (`peagle_jax.cli.UsageError`
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 from peagle_jax.cli import UsageError
 
-__all__ = ["validate"]
+__all__ = ["validate", "INT_MAX", "SEED_MAX", "FLOAT32_MAX"]
+
+INT_MAX = 2**31 - 1  # counts, sizes and token ids become int32 arrays and XLA shapes
+SEED_MAX = 2**32 - 1  # numpy's and torch's seeds: non-negative
+FLOAT32_MAX = 3.4028234663852886e38  # the step computes in float32: a larger value is inf there
 
 
 def validate(cfg):
     """One-line UsageError naming the flag for values no run can use (before any work starts)."""
-    for ok, msg in (*_choice_checks(cfg), *_model_data_checks(cfg), *_optim_loop_checks(cfg), *_eval_mesh_checks(cfg)):
-        if not ok:
-            raise UsageError(msg)
+    groups = (  # in order: a later group may rely on an earlier one (integers in range before products)
+        _int_range_checks,
+        _choice_checks,
+        _model_data_checks,
+        _optim_loop_checks,
+        _eval_mesh_checks,
+        _path_checks,
+    )
+    for group in groups:
+        for ok, msg in group(cfg):
+            if not ok:
+                raise UsageError(msg)
     return cfg
 
 
@@ -23,8 +38,26 @@ def _finite(x) -> bool:
     return math.isfinite(x)
 
 
+def _finite32(x) -> bool:
+    """Finite in float32 too (1e300 passes math.isfinite and is inf in the step)."""
+    return math.isfinite(x) and abs(x) <= FLOAT32_MAX
+
+
+def _segments_ok(segments) -> bool:
+    """An integer >= 1 (or its digits, from a file) or auto, as `train.segments.resolve_segments` reads it."""
+    if segments == "auto":
+        return True
+    if isinstance(segments, bool):
+        return False
+    try:
+        n = int(segments)  # "²" passes str.isdigit and is no int
+    except (TypeError, ValueError):
+        return False
+    return 1 <= n <= INT_MAX
+
+
 def _choice_checks(cfg) -> list[tuple[bool, str]]:
-    m, d = cfg.model, cfg.data
+    m, d, o = cfg.model, cfg.data, cfg.optim
     return [
         (m.mode in ("parallel", "chain"), f"model.mode must be parallel or chain, got {m.mode!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16: {m.dtype!r}"),
@@ -35,6 +68,8 @@ def _choice_checks(cfg) -> list[tuple[bool, str]]:
         (d.too_long in ("truncate", "drop"), f"data.too_long must be truncate or drop: {d.too_long!r}"),
         (d.bad_rows in ("skip", "error"), f"data.bad_rows must be skip or error, got {d.bad_rows!r}"),
         (cfg.eval.export_dtype in ("float32", "bfloat16"), "eval.export_dtype must be float32 or bfloat16"),
+        (o.optimizer in ("adamw", "muon"), f"optim.optimizer must be adamw or muon, got {o.optimizer!r}"),
+        (o.schedule in ("cosine", "linear"), f"optim.schedule must be cosine or linear, got {o.schedule!r}"),
     ]
 
 
@@ -50,6 +85,11 @@ def _model_data_checks(cfg) -> list[tuple[bool, str]]:
         (d.max_len >= 16, "data.max_len must be >= 16"),
         (d.batch_size >= 1, "data.batch_size must be >= 1"),
         (_finite(d.row_factor) and d.row_factor >= 1.0, "data.row_factor must be a finite number >= 1"),
+        (
+            not _finite(d.row_factor) or d.row_factor * max(d.max_len, 1) <= INT_MAX,
+            f"data.row_factor x data.max_len (COD rows per sequence) must be at most {INT_MAX}, got "
+            f"{d.row_factor!r} x {d.max_len}",
+        ),
         (d.row_granularity >= 0, "data.row_granularity must be >= 0"),
         (0 < d.cod_r <= 1 and 0 <= d.cod_r_min <= 1, "data.cod_r and data.cod_r_min must lie in (0, 1]"),
         (d.max_anchors is None or d.max_anchors >= 1, "data.max_anchors must be >= 1 (or unset)"),
@@ -60,22 +100,24 @@ def _model_data_checks(cfg) -> list[tuple[bool, str]]:
 def _optim_loop_checks(cfg) -> list[tuple[bool, str]]:
     o, lp = cfg.optim, cfg.loop
     return [
-        (_finite(o.lr) and o.lr > 0, f"optim.lr must be a finite number > 0, got {o.lr!r}"),
+        (_finite32(o.lr) and o.lr > 0, f"optim.lr must be a finite number > 0, got {o.lr!r}"),
         (o.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
         (0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio must lie in [0, 1]"),
         (0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must lie in [0, 1)"),
-        (_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay must be a finite number >= 0"),
-        (_finite(o.clip) and o.clip > 0, f"optim.clip must be a finite number > 0, got {o.clip!r}"),
-        (_finite(o.norm_lr_scale) and o.norm_lr_scale >= 0, "optim.norm_lr_scale must be a finite number >= 0"),
+        (0 <= o.muon_momentum < 1, f"optim.muon_momentum must lie in [0, 1), got {o.muon_momentum!r}"),
+        (
+            _finite32(o.muon_weight_decay) and o.muon_weight_decay >= 0,
+            f"optim.muon_weight_decay must be a finite number >= 0, got {o.muon_weight_decay!r}",
+        ),
+        (_finite32(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay must be a finite number >= 0"),
+        (_finite32(o.clip) and o.clip > 0, f"optim.clip must be a finite number > 0, got {o.clip!r}"),
+        (_finite32(o.norm_lr_scale) and o.norm_lr_scale >= 0, "optim.norm_lr_scale must be a finite number >= 0"),
         (lp.steps >= 0, "loop.steps must be >= 0 (0 = loop.epochs over the data)"),
         (_finite(lp.epochs) and lp.epochs > 0, f"loop.epochs must be a finite number > 0, got {lp.epochs!r}"),
         (lp.checkpoint_every >= 1 and lp.keep >= 1, "loop.checkpoint_every and loop.keep must be >= 1"),
         (lp.eval_every >= 0, "loop.eval_every must be >= 0 (0 = only at the end)"),
-        (_finite(lp.chain_decay) and lp.chain_decay > 0, "loop.chain_decay must be a finite number > 0"),
-        (
-            str(lp.segments) == "auto" or (str(lp.segments).isdigit() and int(lp.segments) >= 1),
-            f"loop.segments must be an integer >= 1 or auto, got {lp.segments!r}",
-        ),
+        (_finite32(lp.chain_decay) and lp.chain_decay > 0, "loop.chain_decay must be a finite number > 0"),
+        (_segments_ok(lp.segments), f"loop.segments must be an integer >= 1 or auto, got {lp.segments!r}"),
         (lp.max_rows_per_segment >= 1, "loop.max_rows_per_segment must be >= 1"),
         (_finite(lp.max_seconds) and lp.max_seconds >= 0, "loop.max_seconds must be a finite number >= 0 (0 = none)"),
     ]
@@ -102,3 +144,87 @@ def _eval_mesh_checks(cfg) -> list[tuple[bool, str]]:
         ),
         (dc.heartbeat_timeout >= 1 and dc.initialization_timeout >= 1, "dist timeouts must be >= 1 second"),
     ]
+
+
+def _int_fields(cfg):
+    """(flag name, value) of every integer field of the sections (each value of a tuple)."""
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        if not dataclasses.is_dataclass(part):
+            continue
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            for v in value if isinstance(value, tuple) else (value,):
+                if isinstance(v, int) and not isinstance(v, bool):
+                    yield f"{section.name}.{f.name}", v
+
+
+def _int_range_checks(cfg) -> list[tuple[bool, str]]:
+    """Seeds in [0, SEED_MAX]; every other integer at most INT_MAX (their lower bounds are above)."""
+    out = []
+    for name, v in _int_fields(cfg):
+        if name.endswith(".seed"):
+            out.append((0 <= v <= SEED_MAX, f"{name} must lie in [0, {SEED_MAX}], got {v}"))
+        else:
+            out.append((v <= INT_MAX, f"{name} must be at most {INT_MAX}, got {v}"))
+    return out
+
+
+def _path_checks(cfg) -> list[tuple[bool, str]]:
+    """Names that cannot be right whatever the run does: empty ones (the current folder), a file
+    where a folder is written or read, an evaluation prompt set that is neither known nor a file."""
+    m, d, e = cfg.model, cfg.data, cfg.eval
+    out = [
+        (cfg.out.strip() != "", "--out must name a folder, got ''"),
+        (m.target.strip() != "", "model.target must not be empty (a Hugging Face folder, an asset name, or tiny)"),
+        (d.source.strip() != "", "data.source must not be empty (sharegpt, synthetic, or a file or folder)"),
+        (d.cache_features is None or d.cache_features.strip() != "", "data.cache_features must not be empty"),
+    ]
+    if not all(ok for ok, _ in out):
+        return out
+    out += [
+        (_kind(cfg.out) in ("dir", "missing"), f"--out {cfg.out}: exists and is not a folder"),
+        (
+            d.cache_features is None or _kind(d.cache_features) in ("dir", "missing"),
+            f"data.cache_features {d.cache_features}: exists and is not a folder",
+        ),
+        (
+            not _a_file_target(m.target),
+            f"model.target {m.target}: a file, not a folder (a Hugging Face folder, an asset name, or tiny)",
+        ),
+    ]
+    if e.enabled:
+        out.append(
+            (
+                _prompts_ok(e.prompts),
+                f"eval.prompts {e.prompts!r}: neither mtbench, humaneval, synthetic nor an existing JSONL file",
+            )
+        )
+    return out
+
+
+def _kind(path: str, expand: bool = False) -> str:
+    """dir, file, other (a device, a socket ...) or missing; a name the system refuses (too long,
+    a NUL byte) is missing here, and the run's own error names it. `expand`: ~ is the home folder."""
+    try:
+        p = Path(path).expanduser() if expand else Path(path)
+        return "dir" if p.is_dir() else "file" if p.is_file() else "other" if p.exists() else "missing"
+    except (OSError, ValueError, RuntimeError):  # RuntimeError: ~user of no such user
+        return "missing"
+
+
+def _a_file_target(target: str) -> bool:
+    if target == "tiny" or _kind(target) in ("dir", "missing"):
+        return False
+    from peagle_jax.assets import ASSETS
+
+    return target not in ASSETS
+
+
+def _prompts_ok(prompts: str) -> bool:
+    """What `train.loop` evaluates on: synthetic, a set of `peagle_jax.prompts.load_prompts`, a file."""
+    from peagle_jax.prompts import PROMPT_SETS
+
+    if prompts == "synthetic" or prompts.lower().replace("-", "").replace("_", "") in PROMPT_SETS:
+        return True
+    return _kind(prompts, expand=True) == "file"

@@ -15,12 +15,13 @@ import difflib
 import io
 import json
 import sys
+import types
 import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from peagle_jax.cli import UsageError
+from peagle_jax.cli import UsageError, one_line
 from train.checks import validate
 
 __all__ = ["TrainConfig", "PRESETS", "parse_args", "validate", "from_dict", "to_dict", "field_names"]
@@ -110,12 +111,20 @@ class DataConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
+    optimizer: str = "adamw"
+    """adamw, or muon (optax.contrib.muon on the 2-D weight matrices, AdamW on the rest: speculators' recipe)."""
     lr: float = 1e-3
-    """Peak learning rate (AdamW)."""
+    """Peak learning rate (of both groups with muon)."""
+    schedule: str = "cosine"
+    """Decay after the warmup: cosine or linear (both to lr x min_lr_ratio)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (optimizer muon)."""
+    muon_weight_decay: float = 0.1
+    """Decoupled weight decay of Muon's matrices (optimizer muon; optim.weight_decay is the AdamW group's)."""
     warmup_steps: int = 10
     """Linear warmup steps."""
     min_lr_ratio: float = 0.1
-    """Cosine decay ends at lr x min_lr_ratio."""
+    """The decay ends at lr x min_lr_ratio."""
     b1: float = 0.9
     """AdamW beta1."""
     b2: float = 0.95
@@ -276,13 +285,23 @@ def _suggest(name: str, valid: Sequence[str]) -> str:
     return f" (did you mean: {', '.join(close)}?)" if close else ""
 
 
+_EXPECTED = {bool: "true/false", int: "an integer", float: "a number", str: "a string"}
+
+
 def _convert(value, tp, where: str):
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
-    if origin is typing.Union:  # Optional[X]
-        if value is None:
+    if origin in (typing.Union, types.UnionType):  # `int | None`, `int | str`: the first member that takes it
+        if value is None and type(None) in args:
             return None
-        return _convert(value, next(a for a in args if a is not type(None)), where)
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:
+            return _convert(value, members[0], where)
+        for member in members:
+            with contextlib.suppress(UsageError):
+                return _convert(value, member, where)
+        wanted = " or ".join(_EXPECTED.get(m, getattr(m, "__name__", str(m))) for m in members)
+        raise UsageError(f"{where}: expected {wanted}, got {value!r}")
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             value = [value]
@@ -297,7 +316,12 @@ def _convert(value, tp, where: str):
         raise UsageError(f"{where}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer past float's range (a JSON number of 400 digits)
+                raise UsageError(
+                    f"{where}: expected a finite number, got an integer of {len(str(value))} digits"
+                ) from None
         raise UsageError(f"{where}: expected a number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
@@ -331,10 +355,15 @@ def from_dict(data: dict, where: str = "config") -> TrainConfig:
 
 
 def read_file(path: str) -> dict:
+    if not path.strip():
+        raise UsageError("--config must name a YAML or JSON file, got ''")
     p = Path(path)
-    if not p.is_file():
-        raise UsageError(f"--config {path}: no such file")
-    text = p.read_text()
+    try:
+        if not p.is_file():
+            raise UsageError(f"--config {path}: " + ("not a file" if p.exists() else "no such file"))
+        text = p.read_text()
+    except (OSError, ValueError) as e:  # unreadable, not text (UnicodeDecodeError), a NUL in the name
+        raise UsageError(f"--config {path}: cannot read it: {one_line(e)}") from None
     try:
         if p.suffix in (".yaml", ".yml"):
             import yaml
@@ -352,12 +381,14 @@ def read_file(path: str) -> dict:
 # ---------------------------------------------------------------------------------------
 # command line
 def _pop(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` (its last occurrence, as tyro reads it), None when absent."""
+    value = None
     for i, a in enumerate(argv):
         if a == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith(flag + "="):
-            return a.split("=", 1)[1]
-    return None
+            value = argv[i + 1]
+        elif a.startswith(flag + "="):
+            value = a.split("=", 1)[1]
+    return value
 
 
 def _check_flags(argv: Sequence[str]) -> None:
@@ -375,14 +406,18 @@ def _check_flags(argv: Sequence[str]) -> None:
             )
 
 
+PROG = "python -m train"  # the usage line's command (tyro would print the path of train/__main__.py)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """TrainConfig from a command line (see the module docstring). Raises UsageError;
-    `--help` prints the fields and exits (SystemExit 0)."""
+    `--help` prints the fields with the defaults of `--preset` and `--config` when given, and
+    exits (SystemExit 0)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        argv = ["--help"]
-    _check_flags(argv)
-    preset = _pop(argv, "--preset") or "default"
+    wants_help = "-h" in argv or "--help" in argv
+    _check_flags(["--help"] if wants_help else argv)
+    preset = _pop(argv, "--preset")
+    preset = "default" if preset is None else preset
     if preset not in PRESETS:
         raise UsageError(
             f"unknown preset {preset!r}" + _suggest(preset, list(PRESETS)) + f" (presets: {', '.join(PRESETS)})"
@@ -393,6 +428,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     if file is not None:
         base = apply_dict(base, read_file(file), f"--config {file}")
         base = dataclasses.replace(base, config=file)
+    if wants_help:  # the defaults shown are the preset's and the file's; other flags are not parsed
+        argv = ["--help"]
     import tyro
 
     errors = io.StringIO()
@@ -400,6 +437,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         with contextlib.redirect_stderr(errors):
             cfg = tyro.cli(
                 TrainConfig,
+                prog=PROG,
                 default=base,
                 args=_bool_words(argv),
                 config=(tyro.conf.FlagConversionOff,),
@@ -430,17 +468,24 @@ def _bool_words(argv: list[str]) -> list[str]:
 
 
 def _box_message(text: str) -> str:
-    """The message inside tyro's error box, as one line."""
-    lines = []
-    for line in text.splitlines():
-        inner = line.strip().strip("│╭╮╰╯").strip()
-        if inner.startswith("─"):
-            if lines:
-                break
-            continue
-        if inner:
-            lines.append(inner)
-    message = " ".join(lines).replace(" .", ".")
+    """The message of tyro's error, as one line. On a terminal (and through a pipe) tyro draws a
+    box, its title in the top border; where its console decides otherwise (under pytest's capture)
+    the title is a plain line over a rule of '-'. The message ends at the next rule."""
+    lines = [ln.strip().strip("│╭╮╰╯").strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    rule = lambda ln: set(ln) <= set("─-")
+    if lines and lines[0].startswith("─"):  # the box's top border, with the title
+        lines = lines[1:]
+    elif len(lines) > 1 and rule(lines[1]):  # a plain title line and its rule
+        lines = lines[2:]
+    body = []
+    for ln in lines:
+        if rule(ln) or ln.startswith("─"):
+            break
+        body.append(ln)
+    message = " ".join(body).replace(" .", ".")
+    if message.endswith(":"):  # what tyro lists after it was an empty argument ('')
+        message += " ''"
     return f"invalid command line: {message or 'see --help'}"
 
 

@@ -275,6 +275,7 @@ class TrainStep:
             updates, opt_state = opt.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             m["grad_norm"] = optax.global_norm(grads)
+            m["param_norm"] = optax.global_norm(params)  # the updated head: a blown-up update shows here
             return params, opt_state, constrain(m, True)
 
         def online(params, opt_state, frozen, head_w, tstate, batch):

@@ -9,7 +9,6 @@ on the context (a 0.02 init gives a nearly uniform teacher with nothing to learn
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 __all__ = ["build_tiny_target", "TINY_WORDS"]
@@ -33,15 +32,16 @@ def tokenizer():
 
 def build_tiny_target(folder: Path, seed: int = 0) -> Path:
     """A Hugging Face folder (config, safetensors, tokenizer) at `folder` (rebuilt only when
-    missing; written to a temporary sibling, then renamed)."""
+    missing), written like every other folder of the project (`peagle_jax.folders.atomic_folder`:
+    a temporary sibling renamed into place, files with the umask's ordinary modes)."""
     folder = Path(folder)
     if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
         return folder
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    from peagle_jax.folders import atomic_folder
+
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(SPECIALS) + TINY_WORDS,
@@ -60,10 +60,9 @@ def build_tiny_target(folder: Path, seed: int = 0) -> Path:
         rms_norm_eps=1e-6,
     )
     model = LlamaForCausalLM(cfg).eval()
-    model.save_pretrained(tmp)
-    tokenizer().save_pretrained(tmp)
-    meta = {"built_by": "train.tiny", "seed": seed}
-    (tmp / "tiny_target.json").write_text(json.dumps(meta))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    with atomic_folder(folder) as tmp:  # safetensors' writer leaves model.safetensors 0600
+        model.save_pretrained(tmp)
+        tokenizer().save_pretrained(tmp)
+        meta = {"built_by": "train.tiny", "seed": seed}
+        (tmp / "tiny_target.json").write_text(json.dumps(meta))
     return folder

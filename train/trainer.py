@@ -171,7 +171,8 @@ class Trainer:
         target run inside the step): its record (loss, accuracies, grad_norm, learning rate)."""
         m = self.update(batch_arrays(batch), feats)
         rec = stats_record(step_stats(m, batch, self.k, self.eval_k, first_row=first_row), self.eval_k)
-        return {"step": self.step, **rec, "grad_norm": float(m["grad_norm"]), "lr": self.learning_rate}
+        norms = {"grad_norm": float(m["grad_norm"]), "param_norm": float(m["param_norm"])}
+        return {"step": self.step, **rec, **norms, "lr": self.learning_rate}
 
     def evaluate(self, examples: list) -> dict | None:
         """{eval_loss, eval_acc, eval_cond_acc, eval_sim_tau} over `examples` (fixed COD rows)."""

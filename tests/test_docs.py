@@ -60,3 +60,38 @@ def test_result_names_its_provenance(path):
 def test_no_work_narration(path):
     hits = [f"{i}: {line.strip()}" for i, line in enumerate(path.read_text().splitlines(), 1) if NARRATION.search(line)]
     assert not hits, f"{path.relative_to(ROOT)} narrates how it was made:\n" + "\n".join(hits)
+
+
+def _doc_default(value) -> str:
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, tuple):
+        return f"`{' '.join(map(str, value))}`"
+    return f"`{value}`"
+
+
+def test_the_training_guide_lists_every_flag_with_its_default():
+    import dataclasses
+    import re
+
+    from train.config import TrainConfig
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    rows = dict(re.findall(r"^\| `--([\w.]+)` \| [^|]+ \| ([^|]+) \|", text, flags=re.M))
+
+    def defaults(obj, prefix=""):
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            yield from defaults(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else [(prefix + f.name, v)]
+
+    cfg = TrainConfig()
+    missing = [n for n, _ in defaults(cfg) if n.count(".") and n not in rows]
+    wrong = {
+        n: (rows[n].strip(), _doc_default(v))
+        for n, v in defaults(cfg)
+        if n in rows and rows[n].strip() != _doc_default(v)
+    }
+    assert not missing, f"docs/training.md lacks rows for {missing}"
+    assert not wrong, f"docs/training.md defaults differ (doc, code): {wrong}"

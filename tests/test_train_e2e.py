@@ -71,6 +71,18 @@ def test_tiny_learns(tiny_run):
     assert any((out / "tensorboard").iterdir())
 
 
+def test_the_summary_advises_the_fastest_k(tiny_run, capsys):
+    from train.__main__ import print_advice
+
+    _, summary = tiny_run
+    best = summary["best_k"]
+    assert best in summary["eval"]["by_k"] and f'"num_speculative_tokens": {best}' in summary["serve"]
+    pay = summary["payoff"][best]
+    assert pay["break_even_acceptance"] > 1.0 and pay["tokens_seen"] == summary["train_tokens"]
+    print_advice(summary)
+    assert f"fastest K={best}" in capsys.readouterr().out
+
+
 def test_export_passes_inspect_and_imports_to_identical_drafts(tiny_run, tiny_target):
     import peagle_jax as pj
     from peagle_jax.convert import inspect_folder

@@ -51,8 +51,28 @@ def train(cfg, hooks: Sequence = ()) -> int:
             f"{ev['acceptance_length']:.2f}, {ev['tokens_per_second']:.1f} tok/s vs "
             f"{ev['baseline_tokens_per_second']:.1f} plain = {ev['speedup']:.2f}x"
         )
+    print_advice(summary)
     print(f"serve: {summary['serve']}")
     return 0
+
+
+def print_advice(summary: dict) -> None:
+    """The fastest measured K and what this run's curve says about paying off (`train.payoff`)."""
+    if "best_k" not in summary:
+        return
+    by_k, best = summary["eval"]["by_k"], summary["best_k"]
+    speeds = ", ".join(f"K={k}: {v['acceptance_length']:.2f} accepted, {v['speedup']:.2f}x" for k, v in by_k.items())
+    print(f"per K: {speeds}; fastest K={best}")
+    pay = summary["payoff"][best]
+    need, tokens = pay["break_even_acceptance"], pay["tokens_needed"]
+    line = f"a head pays off at K={best} from acceptance {need:.2f} (this machine's round cost); "
+    if tokens is None:
+        line += "this run's learning curve does not rise enough to say when"
+    else:
+        line += f"this run's curve reaches it at ~{tokens:.2g} training tokens (extrapolated from {pay['tokens_seen']})"
+    print(line)
+    if summary.get("accelerator_command"):
+        print(f"on an accelerator: {summary['accelerator_command']}")
 
 
 def check_losses(summary: dict) -> None:

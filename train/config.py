@@ -176,7 +176,7 @@ class EvalConfig:
     """Prompts evaluated."""
     max_new_tokens: int = 96
     """New tokens per prompt."""
-    ks: tuple[int, ...] = (7,)
+    ks: tuple[int, ...] = (1, 3, 7)
     """Drafts per round measured (greedy)."""
     export_dtype: str = "bfloat16"
     """dtype of the exported vLLM folder."""

@@ -7,6 +7,7 @@ and continues with exactly the batches the uninterrupted run would have seen (`t
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from train import data as D
 from train import distributed as dist
 from train.checkpoint import Checkpoints
 from train.metrics import MetricsLog
+from train.payoff import fastest_k, payoff
 from train.trainer import Hook, TimeBudget, Trainer, TrainError, total_steps
 
 __all__ = ["run", "TrainError", "serve_command"]
@@ -110,11 +112,12 @@ def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None) -> D.Datase
 
 
 class StopOnNonFinite(Hook):
-    """A TrainError at the first step whose loss or gradient norm is not finite: the run stops
-    before that state is checkpointed or exported (the last checkpoint stays the latest)."""
+    """A TrainError at the first step whose loss, gradient norm or updated parameters are not
+    finite: the run stops before that state is checkpointed or exported (the last checkpoint
+    stays the latest)."""
 
     def after_step(self, trainer, rec):
-        bad = [k for k in ("loss", "grad_norm") if not np.isfinite(rec[k])]
+        bad = [k for k in ("loss", "grad_norm", "param_norm") if not np.isfinite(rec[k])]
         if bad:
             raise TrainError(
                 f"step {trainer.step}: {bad[0]} is {rec[bad[0]]} (not finite): training stopped, nothing exported; "
@@ -258,9 +261,9 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
         if dist.multi_process():  # process 0 alone measures speed, on its own copy of the target
             target = load_target(cfg, out)[1]
         summary["eval"] = measure_speed(cfg, target, export.head, log)
-    summary["serve"] = report.get("serve") or serve_command(
-        vllm_dir, tpath, cfg.model.k_train, cfg.model.mode, target.config.model_type
-    )
+        summary.update(serving_advice(cfg, summary, metrics.records()))
+    k_serve = summary.get("best_k", cfg.model.k_train)
+    summary["serve"] = serve_command(vllm_dir, tpath, k_serve, cfg.model.mode, target.config.model_type)
     summary["wall_seconds"] = time.perf_counter() - t0
     _write_json(out / "summary.json", summary)
     metrics.close()
@@ -361,6 +364,25 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
         "draft_vocab_size": trainer.drafter.config.draft_vocab_size,
         "resumed_from_step": start,
     }
+
+
+def serving_advice(cfg: C.TrainConfig, summary: dict, records: list[dict]) -> dict:
+    """{best_k, payoff, accelerator_command}: the fastest measured K, what a head needs to pay
+    off per K (`train.payoff`) and a run of the tokens the fitted curve asks for at that K."""
+    by_k = summary["eval"]["by_k"]
+    best = fastest_k(by_k)
+    pay = payoff(records, by_k)
+    needed = [(v["tokens_needed"], k) for k, v in pay.items() if v["tokens_needed"]]
+    out = {"best_k": int(best), "payoff": pay, "accelerator_command": None}
+    if needed and summary["steps"]:
+        tokens, k = min(needed)
+        per_step = summary["train_tokens"] / summary["steps"]
+        steps = math.ceil(tokens / per_step / 8)  # 8 sequences per step on an accelerator
+        out["accelerator_command"] = (
+            f"python -m train --data.max_conversations 0 --data.regenerate True --data.batch_size 8 "
+            f"--loop.steps {steps} --model.compute_dtype bfloat16 --out OUT   # ~{tokens:.2g} tokens for K={k}"
+        )
+    return out
 
 
 def measure_speed(cfg: C.TrainConfig, target, head, log) -> dict:

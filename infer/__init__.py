@@ -1,5 +1,11 @@
 """Jitted speculative inference: `SpeculativeDecoder`, and `python -m infer generate|bench`."""
 
-from infer.api import GenerationResult, SpeculativeDecoder
-
 __all__ = ["GenerationResult", "SpeculativeDecoder"]
+
+
+def __getattr__(name):  # on first use: `python -m infer` installs its interrupt handlers before JAX loads
+    if name in __all__:
+        from infer import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'infer' has no attribute {name!r}")

@@ -12,8 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run
-from peagle_jax.folders import unwritable
+from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, exit_interrupted, run, terminate_as_interrupt
 
 Formatter = DefaultsFormatter
 
@@ -134,6 +133,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.command == "bench" and args.drafter and len(set(args.drafter)) != len(args.drafter):
         parser.error("--drafter: the same folder is given twice")
     if args.command == "bench" and args.json_out:
+        from peagle_jax.folders import unwritable
+
         why = unwritable(Path(args.json_out), "file")
         if why:
             parser.error(f"--json {args.json_out}: {why}")
@@ -260,7 +261,11 @@ def _dispatch(args) -> int:
 
 
 def main(argv=None) -> int:
-    return run(argv, parse_args, _work)
+    terminate_as_interrupt()  # first: run() installs it again, an interrupt before that is one too
+    try:
+        return run(argv, parse_args, _work)
+    except KeyboardInterrupt:  # landed between the handlers' installation and run's own frame
+        exit_interrupted("interrupted")
 
 
 if __name__ == "__main__":

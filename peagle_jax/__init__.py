@@ -1,8 +1,9 @@
 """peagle-jax: P-EAGLE (parallel drafting EAGLE) speculative decoding in JAX/Flax."""
 
-from peagle_jax.config import ConfigError, RopeConfig, TargetConfig
-
-_LAZY = {
+_LAZY = {  # every name loads on first use: `import peagle_jax.cli` stays instant (a CLI's handlers go in first)
+    "ConfigError": "peagle_jax.config",
+    "RopeConfig": "peagle_jax.config",
+    "TargetConfig": "peagle_jax.config",
     "load_target": "peagle_jax.target",
     "Target": "peagle_jax.target",
     "new_drafter": "peagle_jax.drafter",
@@ -11,10 +12,10 @@ _LAZY = {
     "DrafterConfig": "peagle_jax.drafter",
 }
 
-__all__ = ["ConfigError", "RopeConfig", "TargetConfig", *_LAZY]
+__all__ = [*_LAZY]
 
 
-def __getattr__(name):  # heavy modules load on first use
+def __getattr__(name):
     if name in _LAZY:
         import importlib
 

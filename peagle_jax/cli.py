@@ -27,17 +27,23 @@ def one_line(text) -> str:
     return " ".join(str(text).split())
 
 
-RETRY_S = 0.05  # an interrupt that arrived where Python drops exceptions is raised again this late
+RETRY_S = 0.05  # an interrupt that arrived where Python drops (or converts) exceptions is raised again this late
 
 
 def _drops_exceptions(frame) -> bool:
     """True when `frame` runs a gc callback (jax registers one) or a finaliser: an exception
-    raised there is printed as "Exception ignored" and lost, and the interrupt with it."""
+    raised there is printed as "Exception ignored" and lost, and the interrupt with it; or when
+    a module is being imported: raised inside an extension's initialisation it turns into an
+    ImportError (a traceback, exit 1) instead of an interrupt."""
     if frame is None:
         return False
-    if frame.f_code.co_name == "__del__":
+    if frame.f_code.co_name == "__del__" or any(frame.f_code is getattr(cb, "__code__", None) for cb in gc.callbacks):
         return True
-    return any(frame.f_code is getattr(cb, "__code__", None) for cb in gc.callbacks)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _interrupt(signum, frame):
@@ -84,6 +90,7 @@ def run(
     `error: ...` line (the exception type named when it is not a ValueError / OSError / KeyError)
     and exit `failure_code(args)` (1; `inspect` says 2). PEAGLE_DEBUG=1 re-raises instead.
     `interrupted`: the line's text on an interrupt (what the user can do next)."""
+    terminate_as_interrupt()  # before parsing: its imports take a second, an interrupt there is one too
     try:
         args = parse(argv)
     except UsageError as err:
@@ -91,8 +98,9 @@ def run(
         return 2
     except SystemExit as err:  # --help
         return int(err.code or 0)
+    except KeyboardInterrupt:
+        exit_interrupted(interrupted)
     try:
-        terminate_as_interrupt()
         return int(work(args) or 0)
     except UsageError as err:
         print(f"error: {one_line(err)}", file=sys.stderr)

@@ -115,3 +115,20 @@ def test_infer_bench_interrupted(tmp_path, tiny_run, name, phase):
     res = interrupt(cmd, SIGNALS[name], lambda err: BENCH_PHASES[phase] in err, tmp_path)
     assert_interrupted(res)
     assert not (tmp_path / "b.json").exists()
+
+
+STARTUP_DELAYS = (0.25, 0.5)  # after the interpreter is up: while the CLI imports its libraries
+
+
+@pytest.mark.parametrize("delay", STARTUP_DELAYS)
+@pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
+def test_interrupted_while_importing(tmp_path, tiny_run, name, delay):
+    """An interrupt during the first second (imports: an interrupt inside an extension's
+    initialisation would otherwise surface as an ImportError) is still exit 130 and one line."""
+    target, _ = tiny_run
+    for cmd in (
+        [sys.executable, "-m", "infer", "generate", "--target", str(target), "--prompt-ids", "1,2", "--mode", "none"],
+        train_command(tmp_path / f"out-{delay}", 4, target),
+    ):
+        res = interrupt(cmd, SIGNALS[name], lambda err, t0=time.monotonic(): time.monotonic() - t0 >= delay, tmp_path)
+        assert_interrupted(res)

@@ -16,13 +16,18 @@ RESUME_HINT = "interrupted: rerun with the same --out to resume from the last ch
 
 def main(argv=None, hooks: Sequence = ()) -> int:
     """The command line; `hooks` (`train.trainer.Hook`) are handed to the trainer's loop."""
-    from peagle_jax.host import reuse_freed_memory
+    from peagle_jax.cli import exit_interrupted, run, terminate_as_interrupt
 
-    reuse_freed_memory()  # before JAX starts its threads (peagle_jax.host)
-    from peagle_jax.cli import run
-    from train.config import parse_args
+    terminate_as_interrupt()  # first: an interrupt while the rest imports is one too
+    try:
+        from peagle_jax.host import reuse_freed_memory
 
-    return run(argv, parse_args, lambda cfg: train(cfg, hooks), interrupted=RESUME_HINT)
+        reuse_freed_memory()  # before JAX starts its threads (peagle_jax.host)
+        from train.config import parse_args
+
+        return run(argv, parse_args, lambda cfg: train(cfg, hooks), interrupted=RESUME_HINT)
+    except KeyboardInterrupt:  # landed before run's own frame
+        exit_interrupted(RESUME_HINT)
 
 
 def train(cfg, hooks: Sequence = ()) -> int:

@@ -7,7 +7,8 @@ Our own checkpoint (`drafter.json` + orbax `state/`) and two layouts of other to
   `mask_token_id` / `pard_token` / `ptd_token_id`; aux ids top level or in `eagle_config`.
 - speculators (`speculators_model_type: "peagle"` or `"eagle3"`): the layer shape in
   `transformer_layer_config`, weights under `layers.{i}.*`.
-Their config.json files are read and written by `peagle_jax.head_config` (re-exported here).
+Their config.json files are read by `peagle_jax.head_config` and written by
+`peagle_jax.head_config_write` (both re-exported here).
 
 Tensor names (PyTorch [out, in]): embed_tokens.weight [V, H], fc.weight [H, 3Ht],
 input_norm.weight [3Ht] (norm_before_fc), fc_norm.{0,1,2}.weight [Ht] (fc_norm),
@@ -43,13 +44,8 @@ import numpy as np
 from peagle_jax.config import NUM_AUX, ConfigError, DrafterConfig, default_aux_layer_ids, read_json
 from peagle_jax.dtypes import EXPORT, dtype_name, numpy_dtype
 from peagle_jax.folders import CONFIG_FILE, SINGLE_FILE, atomic_folder, check_destination, write_hf_folder
-from peagle_jax.head_config import (
-    head_facts,
-    read_speculators_config,
-    read_vllm_config,
-    speculators_config,
-    vllm_config,
-)
+from peagle_jax.head_config import head_facts, read_speculators_config, read_vllm_config
+from peagle_jax.head_config_write import speculators_config, vllm_config
 from peagle_jax.models.drafter import abstract_drafter, check_d2t, flat_state, state_from_arrays, t2d_from_d2t
 from peagle_jax.serving import resolve_verifier, target_facts
 

@@ -5,7 +5,7 @@ layer config's location, mask-id keys, aux ids at the top level or in `eagle_con
 verifier, norm flags). The strict reader (`drafter_config`, `read_vllm_config`,
 `read_speculators_config`) validates those facts into a DrafterConfig and raises ConfigError
 naming the file and key; the checkpoint lint (`peagle_jax.inspect`) turns the same facts into
-problems and warnings. `vllm_config` / `speculators_config` write them back. Constants: the
+problems and warnings; `peagle_jax.head_config_write` writes them back. Constants: the
 vLLM architectures of heads, speculators types, MASK_ID_KEYS, AUX_KEY, LAYER_FLAGS.
 
 Semantics taken from vLLM (the serving contract) where the tools differ:
@@ -34,8 +34,7 @@ from peagle_jax.config_fields import (
     check_attention,
     check_fields,
 )
-from peagle_jax.dtypes import EXPORT, dtype_name
-from peagle_jax.models.registry import ARCHITECTURES, architecture_of
+from peagle_jax.models.registry import ARCHITECTURES
 
 __all__ = [
     "HeadFacts",
@@ -43,8 +42,6 @@ __all__ = [
     "drafter_config",
     "read_vllm_config",
     "read_speculators_config",
-    "vllm_config",
-    "speculators_config",
     "rope_params",
     "layer_windows",
 ]
@@ -341,13 +338,6 @@ def layer_windows(layer: dict, where: str, num_layers: int) -> tuple[tuple[str, 
     return tuple(types), window
 
 
-def _window_fields(c: DrafterConfig) -> dict:
-    """The sliding-window keys of a layer config (none for a head without a window)."""
-    if c.sliding_window is None and not c.sliding:
-        return {}
-    return {"layer_types": list(c.layer_types), "sliding_window": c.sliding_window, "use_sliding_window": c.sliding}
-
-
 def _qk_norm(f: HeadFacts) -> bool:
     if f.fmt == "vllm":
         return VLLM_ARCHITECTURES[f.kind]
@@ -415,100 +405,3 @@ def read_speculators_config(raw: dict, where: str) -> DrafterConfig:
     if "speculators_model_type" not in raw:
         raise ConfigError(f"{where}: missing key 'speculators_model_type'")
     return drafter_config(head_facts(raw, where))
-
-
-# ---------------------------------------------------------------------------------------
-# writers
-def _rope_fields(rope: RopeConfig) -> dict:
-    hf = rope.to_hf()
-    scaling = None if rope.type == "default" else {k: v for k, v in hf.items() if k != "rope_theta"}
-    return {"rope_theta": rope.theta, "rope_scaling": scaling, "rope_parameters": hf}
-
-
-def _llama_fields(c: DrafterConfig) -> dict:
-    return {
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "rms_norm_eps": c.rms_norm_eps,
-        **_rope_fields(c.rope),
-        "max_position_embeddings": c.max_position_embeddings,
-        "vocab_size": c.vocab_size,
-        "hidden_act": c.hidden_act,
-        "attention_bias": c.attention_bias,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        **_window_fields(c),
-    }
-
-
-def vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
-    """The config.json of the vLLM-native layout (`LlamaForCausalLMEagle3`)."""
-    if c.qk_norm:
-        raise ConfigError(
-            "export_vllm: this head has q/k norms (a Qwen3 layer config), which vLLM's "
-            "Llama EAGLE-3 layout cannot hold; export the speculators layout instead"
-        )
-    out = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        **_llama_fields(c),
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.target_hidden_size,
-        "norm_before_residual": c.norm_before_residual,
-        "norm_before_fc": c.norm_before_fc,
-        "fc_norm": c.fc_norm,
-        "norm_output": c.norm_output,
-        "eagle_config": {"use_aux_hidden_state": True, "norm_before_fc": c.norm_before_fc},
-        "torch_dtype": dtype_name(dtype, EXPORT),
-        EXTRA_KEY: dict(mode=c.mode, k_train=c.k_train, target_model_type=c.target_model_type, verifier=c.verifier),
-    }
-    if c.aux_layer_ids is not None:
-        out[AUX_KEY] = list(c.aux_layer_ids)
-        out["eagle_config"][AUX_KEY] = list(c.aux_layer_ids)
-    if c.mask_token_id is not None:
-        out.update({k: c.mask_token_id for k in MASK_ID_KEYS})
-    return out
-
-
-def speculators_config(c: DrafterConfig, dtype="bfloat16", verifier: str | None = None) -> dict:
-    """The config.json of the speculators layout; `verifier` overrides the recorded target."""
-    kind = "peagle" if c.mode == "parallel" else "eagle3"
-    flags = {"fc_norm": c.fc_norm, "norm_output": c.norm_output}
-    tl = {"model_type": "qwen3" if c.qk_norm else "llama", **_llama_fields(c), **flags}
-    tl.pop("rope_scaling")
-    tl.pop("rope_theta")
-    arch = architecture_of(c.target_model_type)
-    k = c.k_train or DEFAULT_K_TRAIN
-    out = {
-        "architectures": [SPECULATORS_ARCH[kind]],
-        "speculators_model_type": kind,
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": tl,
-        "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": c.target_hidden_size,
-        "norm_before_residual": c.norm_before_residual,
-        "norm_before_fc": c.norm_before_fc,
-        **flags,
-        "embed_requires_grad": True,
-        "tie_word_embeddings": False,
-        AUX_KEY: None if c.aux_layer_ids is None else list(c.aux_layer_ids),
-        "speculators_config": {
-            "algorithm": kind,
-            "proposal_methods": [
-                dict(proposal_type="greedy", speculative_tokens=k, accept_tolerance=0.0, verifier_accept_k=1)
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": verifier if verifier is not None else c.verifier,
-                "architectures": [arch] if arch else [],
-            },
-        },
-        "dtype": dtype_name(dtype, EXPORT),
-    }
-    if c.mask_token_id is not None:
-        out["mask_token_id"] = c.mask_token_id
-    return out

@@ -34,9 +34,8 @@ from peagle_jax.head_config import (
     head_facts,
     layer_windows,
     rope_params,
-    speculators_config,
-    vllm_config,
 )
+from peagle_jax.head_config_write import speculators_config, vllm_config
 from peagle_jax.serving import is_hub_id, resolve_verifier, serve_command, target_facts, target_findings
 
 __all__ = ["inspect_folder", "format_report", "InspectError"]

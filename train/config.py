@@ -52,6 +52,10 @@ class ModelConfig:
     norm_from_target: bool = False
     """Start the head's final norm at the target's effective final-norm scale (Gemma-3: (1 + w), mean 26, max 301).
     Off by default: from a random layer it makes the first logits sharp and wrong (Gemma-3 first loss 205 vs 8.9)."""
+    qk_norm: bool = False
+    """Qwen3-style per-head RMSNorm on the draft layer's q and k (speculators' default draft layer; vLLM reads it)."""
+    norm_before_residual: bool = False
+    """The first layer's residual is the normed hidden input (speculators' default; vLLM reads the flag)."""
     freeze_lm_head: bool = True
     """Keep lm_head at the target's rows of the draft vocabulary (saves its weight gradient)."""
     freeze_embed: bool = True

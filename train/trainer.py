@@ -107,6 +107,8 @@ class Trainer:
             dtype=mc.dtype,
             fc_norm=mc.fc_norm,
             norm_before_fc=mc.norm_before_fc,
+            qk_norm=mc.qk_norm,
+            norm_before_residual=mc.norm_before_residual,
         )
         # the teacher: the target's lm_head rows of the draft vocabulary, gathered once
         head_w = jax.numpy.asarray(target.embedding_arrays()[1][draft_vocab_ids(self.drafter.d2t)], self.drafter.dtype)

@@ -1,0 +1,304 @@
+"""Learning per token: our trainer against speculators' P-EAGLE recipe on the same data.
+
+    python bench/learning_efficiency.py --work DIR --budgets 25000 50000 100000 \
+        [--seeds 0] [--trainers ours speculators] [--variant NAME='--flag v ...'] \
+        [--json FILE]
+
+One target (Gemma-3-270M), one set of target-regenerated ShareGPT conversations (prepared
+under DIR/data by `python -m train --data.prepare_only --data.regenerate`, the settings below),
+one feature cache (the target's aux and final-norm states, computed once and read by both
+trainers), one sequence order, one draft vocabulary. For each token budget, trainer, variant
+and seed a head is trained from scratch on the first sequences of that order reaching the
+budget (one sequence per step, its schedule spanning exactly those steps):
+- ours: `train.trainer.Trainer` with `python -m train`'s defaults plus the variant's flags;
+- speculators: `bench.speculators_recipe.train_speculators` (their model class, optimizer,
+  schedule, COD sampling and loss as their training CLI builds them), imported by our
+  converter.
+Every head is scored by one evaluator, `train.evaluate.HeldoutSet`: simulated acceptance at
+K = 7 over the held-out sequences, with its standard error. Each run's result is kept in
+DIR/runs/NAME/result.json, so a rerun continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+import types
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DATA_FLAGS = ["--data.max_conversations", "320", "--data.heldout", "60", "--data.regenerate", "True"]
+EVAL_K = 7
+
+
+def base_config(target_path: Path, extra: list[str], steps: int):
+    from train.config import parse_args
+
+    flags = ["--model.target", str(target_path), *DATA_FLAGS, "--loop.steps", str(steps)]
+    return parse_args([*flags, "--loop.progress", "False", "--eval.enabled", "False", *extra])
+
+
+class Bench:
+    """The shared pieces: target, data, feature cache, sequence order, held-out evaluator."""
+
+    def __init__(self, work: Path):
+        import peagle_jax as pj
+        from peagle_jax.assets import prepare
+        from train import data as D
+        from train.features import FeatureCache
+        from train.loop import load_data
+        from train.trainer import Trainer
+
+        self.work = work
+        self.tpath = Path(prepare("gemma3-270m"))
+        self.target = pj.load_target(self.tpath, dtype="float32")
+        cfg = base_config(self.tpath, [], 1)
+        self.data = load_data(cfg, self.target.tokenizer, work / "data", self.target)
+        self.counts = D.token_counts(self.data.train, self.target.config.vocab_size)
+        probe = Trainer(cfg, self.target, 1, token_counts=self.counts)  # the stepper computes features
+        self.cache = FeatureCache(work / "features", probe.stepper, self.tpath, cfg)
+        self.draft_ids = np.flatnonzero(probe.drafter.t2d)
+        self.max_len = cfg.data.max_len
+        self.seed = cfg.data.seed
+        self.heldout = None
+
+    def features(self, example):
+        n = len(example.ids)
+        tokens = np.zeros((1, self.max_len), np.int32)
+        positions = np.full((1, self.max_len), -1, np.int32)
+        tokens[0, :n], positions[0, :n] = example.ids, np.arange(n)
+        aux, y = self.cache.get([example], types.SimpleNamespace(tokens=tokens, positions=positions))
+        return np.asarray(aux[0]), np.asarray(y[0])
+
+    def order(self, budget: int) -> list[int]:
+        """Positions in the training split of the sequences of the first steps reaching `budget` tokens."""
+        from train import data as D
+
+        where = {id(e): i for i, e in enumerate(self.data.train)}
+        order, tokens = [], 0
+        while tokens < budget:
+            (e,) = D.batch_examples(self.data.train, len(order), 1, self.seed)
+            order.append(where[id(e)])
+            tokens += len(e.ids)
+        return order
+
+    def evaluator(self):
+        from train.evaluate import HeldoutSet
+
+        if self.heldout is None:
+            self.heldout = HeldoutSet(self.target, self.data.heldout, self.features, k=EVAL_K, max_len=self.max_len)
+        return self.heldout
+
+
+def train_ours(bench: Bench, order: list[int], flags: list[str], seed: int, out: Path):
+    from train.trainer import Trainer
+
+    cfg = base_config(bench.tpath, [*flags, "--model.seed", str(seed)], len(order))
+    trainer = Trainer(cfg, bench.target, len(order), token_counts=bench.counts)
+    t0 = time.perf_counter()
+    trainer.fit(bench.data.train, features=bench.cache)
+    wall = time.perf_counter() - t0
+    head = trainer.head()
+    head.save(out / "head")
+    return head, wall
+
+
+def train_theirs(bench: Bench, order: list[int], overrides: dict, seed: int, out: Path):
+    import peagle_jax as pj
+    from bench.speculators_recipe import train_speculators
+
+    examples = [(e.ids, e.mask) for e in bench.data.train]
+
+    def features(i):
+        aux, y = bench.features(bench.data.train[i])
+        n = len(bench.data.train[i].ids)
+        return aux[:n], y[:n]
+
+    res = train_speculators(
+        bench.tpath, examples, features, order, bench.draft_ids, out / "speculators", seed=seed, overrides=overrides
+    )
+    return pj.load_drafter(out / "speculators"), res["wall_s"]
+
+
+def run_one(bench: Bench, trainer: str, variant: str, spec, budget: int, seed: int) -> dict:
+    name = f"{trainer}-{variant}-{budget}-s{seed}"
+    out = bench.work / "runs" / name
+    done = out / "result.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    order = bench.order(budget)
+    tokens = int(sum(len(bench.data.train[i].ids) for i in order))
+    print(f"[{name}] {len(order)} steps, {tokens} tokens", flush=True)
+    if trainer == "ours":
+        head, wall = train_ours(bench, order, spec, seed, out)
+    else:
+        head, wall = train_theirs(bench, order, spec, seed, out)
+    score = bench.evaluator().acceptance(head)
+    res = {"name": name, "trainer": trainer, "variant": variant, "budget": budget, "seed": seed}
+    res |= {"steps": len(order), "tokens": tokens, "train_s": wall, "heldout": score}
+    out.mkdir(parents=True, exist_ok=True)
+    done.write_text(json.dumps(res, indent=1))
+    print(f"[{name}] acceptance {score['acceptance']:.4f} +- {score['se']:.4f} ({wall:.0f} s)", flush=True)
+    return res
+
+
+def parse_variant(text: str) -> tuple[str, str, object]:
+    """'NAME=FLAGS' (ours) or 'speculators:NAME=JSON' (their recipe's overrides)."""
+    name, _, rest = text.partition("=")
+    if name.startswith("speculators:"):
+        return "speculators", name.split(":", 1)[1], json.loads(rest or "{}")
+    return "ours", name, shlex.split(rest)
+
+
+def mean_se(runs: list[dict]) -> tuple[float, float]:
+    """Mean held-out acceptance over seeds; its SE from the runs' own (independent) SEs."""
+    acc = [r["heldout"]["acceptance"] for r in runs]
+    se = [r["heldout"]["se"] for r in runs]
+    return float(np.mean(acc)), float(np.sqrt(np.sum(np.square(se))) / len(se))
+
+
+def group(results: list[dict]) -> dict:
+    out: dict = {}
+    for r in results:
+        out.setdefault((r["trainer"], r["variant"], r["budget"]), []).append(r)
+    return out
+
+
+def comparison_rows(results: list[dict]) -> list[list]:
+    """Per budget: ours and speculators' default recipes side by side."""
+    g, rows = group(results), []
+    for budget in sorted({r["budget"] for r in results}):
+        ours, theirs = g.get(("ours", "default", budget)), g.get(("speculators", "default", budget))
+        if not ours or not theirs:
+            continue
+        (a, sa), (b, sb) = mean_se(ours), mean_se(theirs)
+        ratio = a / b
+        rows.append(
+            [
+                ours[0]["tokens"],
+                len(ours),
+                f"{a:.3f} ± {sa:.3f}",
+                f"{b:.3f} ± {sb:.3f}",
+                f"{ratio:.3f}",
+                f"{np.mean([r['train_s'] for r in ours]):.0f}",
+                f"{np.mean([r['train_s'] for r in theirs]):.0f}",
+            ]
+        )
+    return rows
+
+
+def lever_rows(results: list[dict]) -> list[list]:
+    """Per (trainer, variant, budget): acceptance against ours' default at the same budget."""
+    g, rows = group(results), []
+    for (trainer, variant, budget), runs in sorted(g.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        base = g.get(("ours", "default", budget))
+        if not base:
+            continue
+        (a, sa), (b, _) = mean_se(runs), mean_se(base)
+        wall = np.mean([r["train_s"] for r in runs])
+        rows.append(
+            [
+                budget,
+                trainer,
+                variant,
+                len(runs),
+                f"{a:.3f} ± {sa:.3f}",
+                f"{a - b:+.3f}",
+                f"{wall:.0f}",
+                " ".join(f"{x:.2f}" for x in runs[0]["heldout"]["by_depth"][:4]),
+            ]
+        )
+    return rows
+
+
+def publish(results: list[dict], command: str) -> None:
+    """bench/results/learning_efficiency.json and learning_levers.json (`bench/render_results.py`)."""
+    import datetime
+    import subprocess
+
+    import jax
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    meta = {
+        "command": command,
+        "hardware": "2 shared CPU cores, 23 GB RAM, no accelerator",
+        "jax": jax.__version__,
+        "commit": commit.strip(),
+        "date": datetime.date.today().isoformat(),
+        "design": "docs/design/learning-efficiency.md",
+    }
+    setup = (
+        "Gemma-3-270M; 320 ShareGPT conversations with the target's own greedy answers (`--data.regenerate`, "
+        "128 tokens), 256-token sequences: 192 for training (38.5k tokens), 60 held out. Both trainers read the "
+        "same cached target features, in the same sequence order, one sequence per step, with the same 16384-token "
+        "draft vocabulary. Held-out acceptance: `train.evaluate.HeldoutSet`, simulated greedy acceptance at K = 7 "
+        "from every supervised anchor whose 7 drafts are all supervised, ± its standard error over sequences."
+    )
+    comparison = {
+        "title": "Learning per token: ours against speculators' P-EAGLE recipe",
+        "order": 85,
+        "setup": setup,
+        **meta,
+        "columns": ["tokens", "seeds", "ours", "speculators", "ratio", "ours train s", "speculators train s"],
+        "rows": comparison_rows(results),
+        "notes": [],
+    }
+    levers = {
+        "title": "Learning levers at equal tokens",
+        "order": 86,
+        "setup": setup + " Each variant is `python -m train`'s default with the flags named in its row.",
+        **meta,
+        "columns": [
+            "tokens",
+            "trainer",
+            "variant",
+            "seeds",
+            "held-out acceptance",
+            "vs default",
+            "train s",
+            "reach depth 0..3",
+        ],
+        "rows": lever_rows(results),
+        "notes": [],
+    }
+    for name, table in (("learning_efficiency", comparison), ("learning_levers", levers)):
+        path = ROOT / "bench" / "results" / f"{name}.json"
+        if path.exists():  # keep the hand-written notes of an earlier publication
+            table["notes"] = json.loads(path.read_text()).get("notes", [])
+        path.write_text(json.dumps(table, indent=1) + "\n")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--budgets", type=int, nargs="+", default=[25000, 50000, 100000])
+    p.add_argument("--seeds", type=int, nargs="+", default=[0])
+    p.add_argument("--trainers", nargs="+", default=["ours", "speculators"], choices=["ours", "speculators"])
+    p.add_argument("--variant", action="append", default=[], help="NAME='--flag v' (ours) or speculators:NAME=JSON")
+    p.add_argument("--json", type=Path, help="write every result here")
+    p.add_argument("--publish", action="store_true", help="write the tables to bench/results/ (every run in DIR)")
+    args = p.parse_args(argv)
+    runs = [(t, "default", [] if t == "ours" else {}) for t in args.trainers] + [parse_variant(v) for v in args.variant]
+    bench = Bench(args.work)
+    results = []
+    for budget in args.budgets:
+        for trainer, variant, spec in runs:
+            for seed in args.seeds:
+                results.append(run_one(bench, trainer, variant, spec, budget, seed))
+    if args.json:
+        args.json.write_text(json.dumps({"results": results}, indent=1))
+    if args.publish:
+        every = [json.loads(f.read_text()) for f in sorted((args.work / "runs").glob("*/result.json"))]
+        publish(every, "python bench/learning_efficiency.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

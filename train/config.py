@@ -115,8 +115,9 @@ class DataConfig:
 
 @dataclasses.dataclass
 class OptimConfig:
-    optimizer: str = "adamw"
-    """adamw, or muon (optax.contrib.muon on the 2-D weight matrices, AdamW on the rest: speculators' recipe)."""
+    optimizer: str = "muon"
+    """muon (optax.contrib.muon on the 2-D weight matrices, AdamW on the rest: speculators' recipe; it learns more per
+    token, docs/training.md) or adamw."""
     lr: float = 1e-3
     """Peak learning rate (of both groups with muon)."""
     schedule: str = "cosine"
@@ -249,7 +250,7 @@ def _tiny() -> dict:
             "row_factor": 3.0,
             "row_granularity": 0,
         },
-        "optim": {"lr": 3e-3, "warmup_steps": 5},
+        "optim": {"optimizer": "adamw", "lr": 3e-3, "warmup_steps": 5},
         "loop": {"steps": 60, "checkpoint_every": 20, "eval_every": 0},
         "eval": {"num_prompts": 2, "max_new_tokens": 24, "ks": [3], "export_dtype": "float32", "prompts": "synthetic"},
     }

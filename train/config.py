@@ -118,7 +118,7 @@ class OptimConfig:
     optimizer: str = "muon"
     """muon (optax.contrib.muon on the 2-D weight matrices, AdamW on the rest: speculators' recipe; it learns more per
     token, docs/training.md) or adamw."""
-    lr: float = 1e-3
+    lr: float = 2e-3
     """Peak learning rate (of both groups with muon)."""
     schedule: str = "cosine"
     """Decay after the warmup: cosine or linear (both to lr x min_lr_ratio)."""

@@ -68,10 +68,12 @@ def print_advice(summary: dict) -> None:
     by_k, best = summary["eval"]["by_k"], summary["best_k"]
     speeds = ", ".join(f"K={k}: {v['acceptance_length']:.2f} accepted, {v['speedup']:.2f}x" for k, v in by_k.items())
     print(f"per K: {speeds}; fastest K={best}")
-    pay = summary["payoff"][best]
+    pay, speedup = summary["payoff"][best], by_k[best]["speedup"]
     need, tokens = pay["break_even_acceptance"], pay["tokens_needed"]
-    line = f"a head pays off at K={best} from acceptance {need:.2f} (this machine's round cost); "
-    if tokens is None:
+    line = f"a head pays off at K={best} from acceptance {need:.2f} (this machine's round cost): "
+    if speedup >= 1.0:
+        line += f"this one does ({speedup:.2f}x plain decoding)"
+    elif tokens is None:
         line += "this run's learning curve does not rise enough to say when"
     else:
         line += f"this run's curve reaches it at ~{tokens:.2g} training tokens (extrapolated from {pay['tokens_seen']})"

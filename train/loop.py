@@ -374,7 +374,7 @@ def serving_advice(cfg: C.TrainConfig, summary: dict, records: list[dict]) -> di
     pay = payoff(records, by_k)
     needed = [(v["tokens_needed"], k) for k, v in pay.items() if v["tokens_needed"]]
     out = {"best_k": int(best), "payoff": pay, "accelerator_command": None}
-    if needed and summary["steps"]:
+    if needed and summary["steps"] and by_k[best]["speedup"] < 1.0:  # a head that pays off needs no budget
         tokens, k = min(needed)
         per_step = summary["train_tokens"] / summary["steps"]
         steps = math.ceil(tokens / per_step / 8)  # 8 sequences per step on an accelerator

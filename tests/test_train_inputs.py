@@ -77,7 +77,7 @@ def test_help_lists_fields_with_defaults(capsys):
     out = capsys.readouterr().out
     for name in ("--optim.lr", "--data.cache-features", "--model.draft-vocab", "--loop.keep", "--eval.ks"):
         assert name in out, name
-    assert "default: 0.001" in out
+    assert "default: 0.002" in out  # optim.lr
 
 
 def _jsonl(tmp_path, rows):

@@ -23,7 +23,7 @@ from flax import nnx
 from peagle_jax.generation import SpeculativeDecoder
 from peagle_jax.models.drafter import cod_rows_forward
 from train import cod
-from train.loss import next_rows, take_rows, top_index
+from train.loss import next_rows, take_rows, teacher_logits, top_index
 from train.metrics import anchor_acceptance, clustered_mean
 
 __all__ = ["measure", "HeldoutSet"]
@@ -79,7 +79,7 @@ class HeldoutSet:
     y [L, H])` as the trainer computes them; the target's greedy tokens are computed once."""
 
     def __init__(self, target, examples: list, features, *, k: int = 7, max_len: int = 256):
-        self.k, self.examples = k, examples
+        self.k = k
         w = jnp.asarray(target.embedding_arrays()[1])
         softcap = target.config.final_logit_softcapping
         self.rows, self.feats, self.greedy = [], [], []
@@ -139,11 +139,9 @@ class HeldoutSet:
 
 @functools.partial(jax.jit, static_argnums=(2,))
 def _greedy_next(y, w, softcap):
-    """[1, L] the target's greedy token after each position (row t: the target at t + 1)."""
-    logits = jnp.einsum("blh,vh->blv", next_rows(y), w)
-    if softcap:
-        logits = softcap * jnp.tanh(logits / softcap)
-    return top_index(logits)
+    """[1, L] the target's greedy token after each position (row t: the target at t + 1), over
+    the full vocabulary (`w`: all of lm_head's rows)."""
+    return top_index(teacher_logits(next_rows(y), w, None, softcap=softcap))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

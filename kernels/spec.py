@@ -77,7 +77,7 @@ class AttentionSpec:
     1..chain_depth of each query's own chain are gathered outside the block loop, `kernels.chain`;
     0 = none; a COD layout with depths < K wants K - 1).
 
-    Build it with :meth:`causal` or :meth:`peagle`; the dataclass constructor takes the
+    Build it with :meth:`causal`, :meth:`peagle` or :meth:`block` (DFlash); the dataclass constructor takes the
     arrays as they are (use :meth:`make` to validate and broadcast 1-D inputs).
     """
 
@@ -195,6 +195,35 @@ class AttentionSpec:
         a, d, c = _as_i32(anchor, "anchor"), _as_i32(depth, "depth"), _as_i32(doc, "doc")
         return cls.make(
             a, d, c, a, d, c, sliding_window=sliding_window, softcap=softcap, scale=scale, chain_depth=chain_depth
+        )
+
+    @classmethod
+    def block(cls, block_anchor, block_doc, context_positions, context_doc, *, block_size, scale=None) -> AttentionSpec:
+        """DFlash block attention: queries are ``n`` blocks of ``block_size`` rows, keys are the
+        context rows followed by the same blocks (``[context | blocks]``, the order the drafter
+        concatenates its keys in).
+
+        ``block_anchor`` / ``block_doc`` [B, n]: the anchor position of each block (its first row,
+        the bonus token) and its document (-1: a padding block); ``context_positions`` /
+        ``context_doc`` [B, S]: each context row's position and document. A block sees the
+        context rows of its document strictly before its anchor and every row of its own block
+        (bidirectional); blocks never see each other. That is the P-EAGLE rule with every block
+        row at anchor ``a - 1`` and depth 1: the context rows ``p <= a - 1`` are its depth-0 keys,
+        its own block is its "chain" (same anchor, same depth). Anchors must differ within a
+        document (two blocks at one anchor would see each other).
+        """
+        a, bd = _as_i32(block_anchor, "block_anchor"), _as_i32(block_doc, "block_doc")
+        cp, cd = _as_i32(context_positions, "context_positions"), _as_i32(context_doc, "context_doc")
+        rows = lambda x: jnp.repeat(x, int(block_size), axis=1)  # noqa: E731 - [B, n] -> [B, n * block_size]
+        qa, qd = rows(a - 1), rows(bd)
+        return cls.make(
+            qa,
+            jnp.ones_like(qa),
+            qd,
+            jnp.concatenate([cp, qa], axis=1),
+            jnp.concatenate([jnp.zeros_like(cp), jnp.ones_like(qa)], axis=1),
+            jnp.concatenate([cd, qd], axis=1),
+            scale=scale,
         )
 
     # -- helpers ------------------------------------------------------------------------

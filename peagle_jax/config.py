@@ -32,7 +32,7 @@ from peagle_jax.config_fields import (  # noqa: F401 - ConfigError and read_json
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 NUM_AUX = 3  # aux hidden states a drafter reads (vLLM's EAGLE-3 heads: exactly 3)
-DRAFTER_MODES = ("parallel", "chain")
+DRAFTER_MODES = ("parallel", "chain", "dflash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,27 +286,50 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return tuple(sorted(ids)) if len(set(ids)) == NUM_AUX and min(ids) >= 0 else (0, n // 2, n - 1)
 
 
-def validate_aux_layer_ids(ids, num_layers: int | None = None, where: str = "aux_layer_ids") -> tuple[int, ...]:
-    """3 distinct non-negative ints (in [0, num_layers) when it is given), vLLM convention:
-    id i = the residual stream entering target layer i. ConfigError naming `where` otherwise.
-    Returned in ascending order: vLLM collects the aux states while it walks the layers, so
-    they are concatenated in layer order whatever order a config lists them in."""
+def validate_aux_layer_ids(
+    ids, num_layers: int | None = None, where: str = "aux_layer_ids", count: int | None = NUM_AUX
+) -> tuple[int, ...]:
+    """`count` (None: one or more) distinct non-negative ints (in [0, num_layers) when it is
+    given), vLLM's EAGLE-3 convention: id i = the residual stream entering target layer i.
+    ConfigError naming `where` otherwise. Returned in ascending order: vLLM collects the aux
+    states while it walks the layers, so they are concatenated in layer order whatever order a
+    config lists them in."""
+    what = f"{count}" if count is not None else "one or more"
     try:
         ids = tuple(ids)
     except TypeError:
-        raise ConfigError(f"{where}: expected {NUM_AUX} layer ids, got {ids!r}") from None
+        raise ConfigError(f"{where}: expected {what} layer ids, got {ids!r}") from None
     ok = (
-        len(ids) == NUM_AUX
+        (len(ids) == count if count is not None else len(ids) >= 1)
         and all(isinstance(i, (int, np.integer)) and not isinstance(i, bool) for i in ids)
-        and len(set(int(i) for i in ids)) == NUM_AUX
+        and len(set(int(i) for i in ids)) == len(ids)
         and all(int(i) >= 0 and (num_layers is None or int(i) < num_layers) for i in ids)
     )
     if not ok:
         span = (
             "non-negative ints" if num_layers is None else f"ints in [0, {num_layers}) for a {num_layers}-layer target"
         )
-        raise ConfigError(f"{where}: expected {NUM_AUX} distinct {span}, got {ids!r}")
+        raise ConfigError(f"{where}: expected {what} distinct {span}, got {ids!r}")
     return tuple(sorted(int(i) for i in ids))
+
+
+def dflash_aux_layer_ids(num_layers: int, num_draft_layers: int) -> tuple[int, ...]:
+    """DFlash's default context layers for an L-layer target and an N-layer head, in our
+    convention (residual entering layer i). DFlash reads the *output* of layers spread evenly
+    from 1 to L-3, one per draft layer (round(1 + j (L-4) / (N-1)); L//2 for N = 1), which is
+    the residual entering the next layer: our id = DFlash's id + 1 (speculators' ids are ours).
+    Where they collide (tiny targets) the ids are spread over [1, L-1] instead."""
+    n, d = int(num_layers), int(num_draft_layers)
+    if d == 1:
+        native = [n // 2]
+    else:
+        native = [int(round(1 + j * (n - 4) / (d - 1))) for j in range(d)]
+    ids = [i + 1 for i in native]
+    if len(set(ids)) == d and min(ids) >= 1 and max(ids) < n:
+        return tuple(ids)
+    if d > n - 1:
+        raise ConfigError(f"a {d}-layer DFlash head needs a target with more than {d} layers (got {n})")
+    return tuple(sorted({int(round(1 + j * (n - 2) / max(d - 1, 1))) for j in range(d)}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +347,9 @@ class DrafterConfig:
     attends to depth-0 rows within `sliding_window` of each row's reference position (the rule:
     `kernels.visible`). `sliding_window` may be set with no sliding layer (speculators writes it
     always); it then changes nothing.
+    Mode "dflash" (`peagle_jax.models.dflash`): `block_size` B (the bonus token and B - 1 mask
+    slots, drafting B - 1 tokens a pass) and `aux_layer_ids` of any length (one context layer
+    each); the other modes have no block size.
     """
 
     hidden_size: int
@@ -353,12 +379,13 @@ class DrafterConfig:
     verifier: str | None = None
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
+    block_size: int | None = None
 
     def __post_init__(self):
         if self.aux_layer_ids is not None:  # None: the default ids of the target it is paired with
-            object.__setattr__(
-                self, "aux_layer_ids", validate_aux_layer_ids(self.aux_layer_ids, where="DrafterConfig.aux_layer_ids")
-            )
+            count = None if self.mode == "dflash" else NUM_AUX
+            ids = validate_aux_layer_ids(self.aux_layer_ids, where="DrafterConfig.aux_layer_ids", count=count)
+            object.__setattr__(self, "aux_layer_ids", ids)
         for name in (
             "hidden_size",
             "target_hidden_size",
@@ -397,6 +424,31 @@ class DrafterConfig:
         if self.k_train is not None:
             object.__setattr__(self, "k_train", int(self.k_train))
         self._check_windows()
+        if self.mode == "dflash":
+            self._check_dflash()
+        elif self.block_size is not None:
+            raise ConfigError(f"DrafterConfig: block_size is a DFlash setting (mode {self.mode!r} has none)")
+
+    def _check_dflash(self) -> None:
+        """DFlash heads: Qwen3 layers (q/k norms), hidden size = the target's, a block of >= 2,
+        explicit context layers, a mask token, none of the EAGLE-3 input norms, full attention."""
+        b = self.block_size
+        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 2:
+            raise ConfigError(f"DrafterConfig: mode 'dflash' needs block_size >= 2, got {b!r}")
+        object.__setattr__(self, "block_size", int(b))
+        problems = [
+            (self.mask_token_id is None, "a mask_token_id"),
+            (self.aux_layer_ids is None, "aux_layer_ids (its context layers)"),
+            (not self.qk_norm, "qk_norm (Qwen3 layers)"),
+            (self.hidden_size != self.target_hidden_size, "hidden_size equal to target_hidden_size"),
+            (self.norm_before_residual or self.norm_before_fc or self.fc_norm or self.norm_output, "no EAGLE-3 norms"),
+            (self.sliding, "full attention in every layer"),
+        ]
+        for bad, need in problems:
+            if bad:
+                raise ConfigError(f"DrafterConfig: mode 'dflash' needs {need}")
+        if self.k_train is None:
+            object.__setattr__(self, "k_train", int(b) - 1)
 
     def _check_windows(self) -> None:
         types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers
@@ -430,8 +482,13 @@ class DrafterConfig:
         return float(self.head_dim) ** -0.5
 
     @property
+    def num_aux(self) -> int:
+        """Aux states concatenated into fc: 3 (EAGLE-3 / P-EAGLE), one per context layer (DFlash)."""
+        return len(self.aux_layer_ids) if self.mode == "dflash" else NUM_AUX
+
+    @property
     def fc_in(self) -> int:
-        return NUM_AUX * self.target_hidden_size
+        return self.num_aux * self.target_hidden_size
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

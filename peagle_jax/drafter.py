@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from peagle_jax import drafter_io
-from peagle_jax.config import DrafterConfig
+from peagle_jax.config import DrafterConfig, dflash_aux_layer_ids, validate_aux_layer_ids
 from peagle_jax.dtypes import dtype_name
 from peagle_jax.models.drafter import (
     DrafterModel,
@@ -138,6 +138,8 @@ def new_drafter(
     dtype=None,
     sliding_window: int | None = None,
     layer_types=None,
+    block_size: int = 8,
+    aux_layer_ids=None,
     **flags,
 ) -> Drafter:
     """A fresh head for `target` (a Target: .config, .graphdef, .state, .aux_layer_ids).
@@ -154,6 +156,10 @@ def new_drafter(
     speculators default), else all full attention.
     flags: norm_before_residual, norm_before_fc, fc_norm, norm_output, attention_bias,
     qk_norm, rope (a RopeConfig to use instead of the target's).
+    Mode "dflash": a block of `block_size` (B - 1 drafts a pass); `aux_layer_ids` None = DFlash's
+    default context layers, one per head layer (`config.dflash_aux_layer_ids`); Qwen3 layers
+    (q/k norms); embed_tokens is the target's raw embedding (no Gemma scale), as speculators
+    and vLLM give a DFlash head.
     """
     tc = target.config
     v = tc.vocab_size
@@ -172,7 +178,15 @@ def new_drafter(
         used = np.asarray(draft_vocab, np.int64)
         if used.ndim != 1 or used.size == 0 or np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= v:
             raise ValueError(f"new_drafter: draft_vocab must be sorted unique ids in [0, {v})")
-    if mode == "parallel" and mask_token_id is None:
+    dflash = mode == "dflash"
+    if dflash:
+        flags["qk_norm"] = True
+        if aux_layer_ids is None:
+            aux_layer_ids = dflash_aux_layer_ids(tc.num_layers, num_layers)
+        aux_layer_ids = validate_aux_layer_ids(aux_layer_ids, tc.num_layers, "new_drafter: aux_layer_ids", count=None)
+    elif aux_layer_ids is not None:
+        raise ValueError("new_drafter: aux_layer_ids is a DFlash setting; P-EAGLE / EAGLE-3 heads read the target's")
+    if mode in ("parallel", "dflash") and mask_token_id is None:
         mask_token_id = tc.pad_token_id if tc.pad_token_id is not None else v - 1
     if mode == "chain":
         mask_token_id = None
@@ -197,15 +211,16 @@ def new_drafter(
         max_position_embeddings=tc.max_position_embeddings,
         mode=mode,
         mask_token_id=mask_token_id,
-        aux_layer_ids=tuple(target.aux_layer_ids),
-        k_train=k_train,
+        aux_layer_ids=tuple(aux_layer_ids) if dflash else tuple(target.aux_layer_ids),
+        k_train=block_size - 1 if dflash else k_train,
         target_model_type=tc.model_type,
         verifier=None if getattr(target, "path", None) is None else str(target.path),
         layer_types=tuple(layer_types) if layer_types is not None else (default_type,) * num_layers,
         sliding_window=sliding_window,
+        block_size=block_size if dflash else None,
         **{k: bool(val) for k, val in flags.items()},
     )
-    emb, head = target.embedding_arrays()
+    emb, head = target.embedding_arrays(scaled=not dflash)
     given = {
         ("embed_tokens", "embedding"): emb,
         ("lm_head", "kernel"): np.ascontiguousarray(head[used].T),

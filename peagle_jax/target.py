@@ -215,10 +215,11 @@ class Target:
             ids += generation_eos_ids(self.path, self.config.vocab_size)
         return tuple(sorted({int(i) for i in ids}))
 
-    def embedding_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+    def embedding_arrays(self, scaled: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """(input embedding [V, H] as the first layer sees it, lm_head weight [V, H]), float32
-        host copies: what a new drafter head starts from."""
-        return embedding_arrays(self.graphdef, self.state)
+        host copies: what a new drafter head starts from. `scaled=False`: the stored embedding
+        rows, without Gemma's sqrt(H) (a DFlash head's embedding)."""
+        return embedding_arrays(self.graphdef, self.state, scaled)
 
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> Path:
         """Exports a Hugging Face folder (config.json + model.safetensors, plus the source

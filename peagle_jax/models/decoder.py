@@ -142,10 +142,10 @@ class Decoder(nnx.Module):
         return DecoderOutput(logits, aux_hidden, hidden, None if cache is None else tuple(new_cache))
 
 
-def embedding_arrays(graphdef, state) -> tuple[np.ndarray, np.ndarray]:
+def embedding_arrays(graphdef, state, scaled: bool = True) -> tuple[np.ndarray, np.ndarray]:
     """(input embedding [V, H] as the first layer sees it, lm_head weight [V, H] (the embedding
     when tied)), float32 host copies. Gemma's sqrt(H) scale is applied the way `Decoder.embed`
-    does (cast to the weight dtype first)."""
+    does (cast to the weight dtype first); `scaled=False`: the stored embedding rows."""
     model = nnx.merge(graphdef, state)
     raw = model.embed_tokens.embedding[...]
     emb = np.asarray(jax.device_get(raw)).astype(np.float32)
@@ -153,6 +153,6 @@ def embedding_arrays(graphdef, state) -> tuple[np.ndarray, np.ndarray]:
     head = (
         emb if cfg.tie_word_embeddings else np.asarray(jax.device_get(model.lm_head.kernel[...])).astype(np.float32).T
     )
-    if cfg.embed_scale != 1.0:
+    if scaled and cfg.embed_scale != 1.0:
         emb = emb * np.float32(jnp.asarray(cfg.embed_scale, raw.dtype))
     return emb, head

@@ -25,7 +25,7 @@ form every checkpoint format reads and writes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -35,21 +35,23 @@ from flax import nnx
 import kernels
 from peagle_jax.config import NUM_AUX, DrafterConfig
 from peagle_jax.dtypes import numpy_dtype
+from peagle_jax.models.dflash import DFlashModel
+from peagle_jax.models.head import (  # noqa: F401 - the vocabulary helpers are re-exported
+    DrafterOutput,
+    DraftHead,
+    VocabMap,
+    check_d2t,
+    d2t_from_ids,
+    draft_to_target,
+    draft_vocab_ids,
+    select_draft_vocab,
+    t2d_from_d2t,
+)
 from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, pick_rows
 
 
 # ---------------------------------------------------------------------------------------
 # the network
-class VocabMap(nnx.Variable):
-    """A non-trainable int variable (the draft -> target id offsets `d2t`)."""
-
-
-class DrafterOutput(NamedTuple):
-    logits: jax.Array  # [B, T, Vd] float32
-    prenorm: jax.Array  # [B, T, H] last layer output before the final norm
-    cache: tuple | None  # per layer (k, v) [B, S, Hkv, D]; with `context`: this call's (k, v)
-
-
 class DrafterLayer(nnx.Module):
     """Layer `index` of the head. Layer 0 (fused): q/k/v read concat(input_layernorm(embed),
     hidden_norm(g)). Later layers: the plain pre-norm Llama block. A sliding layer
@@ -148,7 +150,7 @@ def pick_inputs(residual, heads, slot_residual, slot_heads, source):
     return out[0], tuple(out[1:])
 
 
-class DrafterModel(nnx.Module):
+class DrafterModel(DraftHead):
     """The drafter network. Parameters (checkpoint names): embed_tokens [V, H], fc [3Ht -> H],
     input_norm [3Ht] (norm_before_fc), fc_norm.{0,1,2} [Ht] (fc_norm), layers.*, norm [H],
     lm_head [H -> Vd], mask_hidden [1, 1, 3Ht] (mode parallel), d2t [Vd] (VocabMap, int32)."""
@@ -195,18 +197,6 @@ class DrafterModel(nnx.Module):
         the same)."""
         return self.norm(prenorm) if self.config.norm_output else prenorm
 
-    def head(self, prenorm: jax.Array) -> jax.Array:
-        """Draft-vocabulary logits (float32) of pre-norm states: lm_head(norm(prenorm)).
-        Callers that need a few rows gather them first (the [T, Vd] product dominates)."""
-        return self.lm_head(self.norm(prenorm)).astype(jnp.float32)
-
-    def head_inputs(self, prenorm: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(norm(prenorm), lm_head kernel [H, Vd]), both in the head's compute dtype: what `head`
-        multiplies, for losses that run the product themselves, chunk by chunk
-        (`train.loss.fused_kl`: the [rows, Vd] logits never exist whole)."""
-        dtype = self.lm_head.dtype or self.lm_head.kernel.dtype
-        return self.norm(prenorm).astype(dtype), self.lm_head.kernel[...].astype(dtype)
-
     def empty_context(self, batch: int, dtype) -> tuple:
         """Per layer (k, v) of no rows [B, 0, Hkv, D]: the `context` of a chain's first call."""
         cfg = self.config
@@ -219,10 +209,6 @@ class DrafterModel(nnx.Module):
         return tuple(
             (jnp.concatenate([ck, k], 1), jnp.concatenate([cv, v], 1)) for (ck, cv), (k, v) in zip(context, kv)
         )
-
-    @property
-    def t2d(self) -> jax.Array:
-        return t2d_from_d2t(self.d2t[...], self.config.vocab_size)
 
     # -- forward -----------------------------------------------------------------------
     def __call__(
@@ -294,59 +280,6 @@ def drafter_apply(graphdef, state, tokens, g, positions, cache=None, spec=None) 
 def drafter_fuse(graphdef, state, aux) -> jax.Array:
     """Pure form of `DrafterModel.fuse`."""
     return nnx.merge(graphdef, state).fuse(aux)
-
-
-# ---------------------------------------------------------------------------------------
-# vocabulary
-def draft_vocab_ids(d2t):
-    """[Vd] target id of every draft id: arange(Vd) + d2t (numpy in, int64 numpy out;
-    otherwise int32 jax). The one place the d2t offset convention is spelled out."""
-    d2t = d2t[...] if isinstance(d2t, nnx.Variable) else d2t
-    if isinstance(d2t, np.ndarray):
-        return np.arange(d2t.shape[0], dtype=np.int64) + d2t.astype(np.int64)
-    return jnp.arange(d2t.shape[0], dtype=jnp.int32) + jnp.asarray(d2t).astype(jnp.int32)
-
-
-def draft_to_target(d2t, draft_ids: jax.Array) -> jax.Array:
-    """target id = draft id + d2t[draft id] (int32), gathered for the given ids only (the
-    engine calls it every round: no [Vd] table is built)."""
-    d2t = d2t[...] if isinstance(d2t, nnx.Variable) else d2t
-    ids = jnp.asarray(draft_ids).astype(jnp.int32)
-    return ids + jnp.asarray(d2t)[ids].astype(jnp.int32)
-
-
-def t2d_from_d2t(d2t, vocab_size: int):
-    """Bool [V]: which target ids are in the draft vocabulary."""
-    ids = draft_vocab_ids(d2t)
-    if isinstance(ids, np.ndarray):
-        out = np.zeros((vocab_size,), bool)
-        out[ids] = True
-        return out
-    return jnp.zeros((vocab_size,), bool).at[ids].set(True)
-
-
-def check_d2t(d2t: np.ndarray, vocab_size: int, where: str) -> None:
-    """ValueError naming `where` unless d2t maps the draft ids into [0, V) one-to-one."""
-    ids = draft_vocab_ids(np.asarray(d2t))
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size or np.unique(ids).size != ids.size):
-        raise ValueError(f"{where}: d2t maps draft ids outside [0, {vocab_size}) or onto one target id twice")
-
-
-def d2t_from_ids(used: Sequence[int] | np.ndarray) -> np.ndarray:
-    """d2t [Vd] int64 from the sorted target ids of the draft vocabulary."""
-    used = np.asarray(used, np.int64)
-    return used - np.arange(used.shape[0], dtype=np.int64)
-
-
-def select_draft_vocab(token_counts, size: int) -> np.ndarray:
-    """Top-`size` target ids by count (ties: lower id first), sorted by id."""
-    counts = np.asarray(token_counts)
-    if counts.ndim != 1:
-        raise ValueError(f"token_counts must be 1-D [V], got shape {counts.shape}")
-    if not 0 < size <= counts.shape[0]:
-        raise ValueError(f"draft vocab size {size} outside [1, {counts.shape[0]}]")
-    order = np.lexsort((np.arange(counts.shape[0]), -counts.astype(np.float64)))
-    return np.sort(order[:size]).astype(np.int64)
 
 
 # ---------------------------------------------------------------------------------------
@@ -431,9 +364,11 @@ def cod_rows_states(
 # ---------------------------------------------------------------------------------------
 # state as arrays
 def abstract_drafter(config: DrafterConfig, dtype="float32"):
-    """(graphdef, abstract state) of a DrafterModel: shapes only, nothing allocated."""
+    """(graphdef, abstract state) of the config's network (a DrafterModel, or a DFlashModel for
+    mode "dflash"): shapes only, nothing allocated."""
     d = numpy_dtype(dtype)
-    model = nnx.eval_shape(lambda: DrafterModel(config, dtype=d, param_dtype=d, rngs=nnx.Rngs(0)))
+    network = DFlashModel if config.mode == "dflash" else DrafterModel
+    model = nnx.eval_shape(lambda: network(config, dtype=d, param_dtype=d, rngs=nnx.Rngs(0)))
     return nnx.split(model)
 
 

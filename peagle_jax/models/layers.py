@@ -202,6 +202,16 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
+    def context_kv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(k, v) [B, S, Hkv, D] of rows that are keys only (DFlash's target context): this
+        layer's k/v projections of `x`, k normed and rotated at `positions` - the `context` form."""
+        b, s, _ = x.shape
+        k = self.k_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(b, s, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, positions, self.rope), v
+
     def __call__(
         self,
         x: jax.Array,

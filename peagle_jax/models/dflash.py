@@ -1,0 +1,136 @@
+"""The DFlash drafter network (docs/method.md, "DFlash"): one pass drafts a block of B - 1
+tokens, every layer reading the target's context as extra keys and values.
+
+```
+ctx   = hidden_norm(fc(aux))                     # [.., n*Ht] -> [.., H]: one aux state per context layer
+layer i: k_ctx, v_ctx = k_norm(k_proj(ctx)) (RoPE at the context positions), v_proj(ctx)
+         h = h + o_proj(attn(q(h'), [k_ctx | k(h')], [v_ctx | v(h')]))   # h' = input_layernorm(h)
+         h = h + mlp(post_attention_layernorm(h))                         # Qwen3 layers (q/k norms)
+block = [bonus token, MASK x (B - 1)] at positions p .. p + B - 1 (the target's embeddings)
+logits = lm_head(norm(h)) of slots 1..B-1     # slot k drafts the token at p + k
+```
+The context is keys only: it never runs through a layer, so its keys and values are a function
+of the target's aux states alone (the engine caches them; `context_kv`). Attention is the block
+rule (`kernels.AttentionSpec.block`): a block sees its document's context strictly before its
+anchor p and all of its own rows, never another block.
+
+Parameter names follow the checkpoint keys of both DFlash formats (speculators' and z-lab /
+vLLM's), so `peagle_jax.drafter_io` maps them one line per tensor. `embed_tokens` and `lm_head`
+are the target's (frozen in training, as in speculators).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import kernels
+from peagle_jax.config import DrafterConfig
+from peagle_jax.models.head import DrafterOutput, DraftHead, VocabMap
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
+
+
+class DFlashLayer(nnx.Module):
+    """A Qwen3 decoder layer whose attention also reads the context's keys and values."""
+
+    def __init__(self, cfg: DrafterConfig, index: int, *, dtype, param_dtype, rngs: nnx.Rngs):
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = Attention(
+            h,
+            h,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rope=cfg.rope,
+            scale=cfg.attn_scale,
+            bias=cfg.attention_bias,
+            out_bias=cfg.attention_bias,
+            qk_norm_eps=cfg.rms_norm_eps,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
+        )
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, positions, context, spec, backend):
+        attn, _ = self.self_attn(self.input_layernorm(x), positions, None, spec, backend, context)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashModel(DraftHead):
+    """The DFlash network. Parameters (checkpoint names): embed_tokens [V, H], fc [n*Ht -> H],
+    hidden_norm [H], layers.*, norm [H], lm_head [H -> Vd], d2t [Vd] (VocabMap, int32)."""
+
+    def __init__(self, cfg: DrafterConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.config = cfg
+        h = cfg.hidden_size
+        self.embed_tokens = nnx.Embed(cfg.vocab_size, h, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.fc = Linear(cfg.fc_in, h, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.layers = nnx.List(
+            [DFlashLayer(cfg, i, dtype=dtype, param_dtype=param_dtype, rngs=rngs) for i in range(cfg.num_layers)]
+        )
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = Linear(h, cfg.draft_vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.d2t = VocabMap(jnp.zeros((cfg.draft_vocab_size,), jnp.int32))
+
+    def context(self, aux: jax.Array) -> jax.Array:
+        """[..., n*Ht] aux states of the context positions -> [..., H]: hidden_norm(fc(aux))."""
+        return self.hidden_norm(self.fc(aux.astype(self.fc.kernel.dtype)))
+
+    def context_kv(self, ctx: jax.Array, positions: jax.Array) -> tuple:
+        """Per layer (k, v) [B, S, Hkv, D] of context rows `ctx` [B, S, H] at `positions` [B, S]."""
+        return tuple(layer.self_attn.context_kv(ctx, positions) for layer in self.layers)
+
+    def block_inputs(self, bonus: jax.Array, block_size: int) -> jax.Array:
+        """[B, n, block_size] token ids of blocks: each bonus token [B, n] then mask tokens."""
+        masks = jnp.full((*bonus.shape, block_size - 1), self.config.mask_token_id, jnp.int32)
+        return jnp.concatenate([bonus[..., None].astype(jnp.int32), masks], axis=-1)
+
+    def __call__(self, tokens, positions, context, spec: kernels.AttentionSpec, backend: str = "dense"):
+        """tokens, positions [B, Q] (block rows), `context` per layer (k, v) [B, S, Hkv, D];
+        `spec` covers Q queries and S + Q keys ([context | blocks]). Returns DrafterOutput with
+        logits [B, Q, Vd] for every row (slot 0's are the bonus token's, unused) and no cache."""
+        x = self.embed_tokens(tokens)
+        for layer, kv in zip(self.layers, context):
+            x = layer(x, positions, kv, spec, backend)
+        return DrafterOutput(self.head(x), x, None)
+
+
+def block_rows_states(
+    model: DFlashModel,
+    input_ids: jax.Array,
+    aux: jax.Array,
+    positions: jax.Array,
+    doc: jax.Array,
+    anchors: jax.Array,
+    anchor_valid: jax.Array,
+    mask: str = "dense",
+) -> DrafterOutput:
+    """The drafter over training blocks (speculators' packed form): the whole sequence is the
+    context, each anchor a starts a block [input_ids[a], MASK x (B-1)] at positions
+    positions[a] + 0..B-1 that sees the context of its document before a.
+
+    input_ids [B, L] (unshifted: the token at each position), aux [B, L, n*Ht], positions and
+    doc [B, L] (doc -1: padding), anchors [B, n] int (packed indices), anchor_valid [B, n] bool.
+    Row j*B + k of the output is slot k of anchor j; slot k >= 1 drafts input_ids[a + k].
+    `mask` "dense" builds the [Q, L + Q] mask; "kernels" runs `kernels.attention` block by block.
+    """
+    if mask not in ("dense", "kernels"):
+        raise ValueError(f"block_rows_states: mask must be 'dense' or 'kernels', got {mask!r}")
+    bs = model.config.block_size
+    length = input_ids.shape[1]
+    at = jnp.clip(anchors, 0, length - 1)
+    take = jax.vmap(lambda x, i: x[i])
+    block_doc = jnp.where(anchor_valid, take(doc, at), -1)
+    tokens = model.block_inputs(take(input_ids, at), bs).reshape(anchors.shape[0], -1)
+    block_pos = (take(positions, at)[..., None] + jnp.arange(bs)).reshape(anchors.shape[0], -1)
+    spec = kernels.AttentionSpec.block(
+        anchors, block_doc, jnp.broadcast_to(jnp.arange(length), doc.shape), doc, block_size=bs
+    )
+    context = model.context_kv(model.context(aux), positions)
+    return model(tokens, block_pos, context, spec, "auto" if mask == "kernels" else "dense")

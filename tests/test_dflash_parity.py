@@ -167,3 +167,47 @@ def test_dflash_logits_equal_speculators(case, mask, monkeypatch):
     assert got.shape == want.shape == (len(ANCHORS) * c["block"], c["vd"])
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < TOL, f"{case}/{mask}: max relative difference {err:.2e}"
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_block_rule_equals_speculators_mask(seed):
+    """`AttentionSpec.block` over packed documents and padding blocks is speculators'
+    `create_anchor_block_mask_mod`, key for key (context strictly before the anchor, own
+    document only, own block bidirectional, no other block)."""
+    from speculators.models.dflash.attention import create_anchor_block_mask_mod
+    from torch.nn.attention.flex_attention import create_mask
+
+    import kernels
+
+    rng = np.random.default_rng(seed)
+    length, bs, n = 40, 4, 7
+    doc = np.sort(rng.integers(0, 3, length))
+    doc[-3:] = -1  # padding at the end of the packed row
+    anchors = np.sort(rng.choice(length - bs, n, replace=False))
+    mod, q_len, kv_len = create_anchor_block_mask_mod(torch.as_tensor(doc), length, torch.as_tensor(anchors), bs)
+    want = create_mask(mod, None, None, q_len, kv_len, device="cpu")[0, 0].numpy()
+    block_doc = np.where(doc[anchors] >= 0, doc[anchors], -1)
+    spec = kernels.AttentionSpec.block(anchors, block_doc, np.arange(length), doc, block_size=bs)
+    got = np.asarray(spec.dense_mask()[0])
+    assert got.shape == want.shape == (n * bs, length + n * bs)
+    assert want.any(axis=1).all()  # every row sees something: a vacuous comparison would not
+    np.testing.assert_array_equal(got, want)
+
+
+def test_block_attention_kernels_equal_dense():
+    """The blockwise kernels compute the block rule from metadata alone, equal to the dense mask
+    (two documents, a padding block, a block at position 0 with no context)."""
+    import kernels
+
+    rng = np.random.default_rng(3)
+    length, bs, heads, kv_heads, dim = 48, 8, 4, 2, 16
+    doc = np.array([0] * 20 + [1] * 28)
+    anchors = np.array([[0, 5, 12, 20, 30, 39]])
+    block_doc = np.where(np.arange(6) == 4, -1, doc[anchors])  # block 4 is padding
+    spec = kernels.AttentionSpec.block(anchors, block_doc, np.arange(length)[None], doc[None], block_size=bs)
+    q = jnp.asarray(rng.standard_normal((1, 6 * bs, heads, dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, length + 6 * bs, kv_heads, dim)), jnp.float32) for _ in range(2))
+    dense = kernels.attention(q, k, v, spec, backend="dense")
+    blockwise = kernels.attention(q, k, v, spec, backend="auto")
+    real = np.repeat(block_doc[0] >= 0, bs)
+    np.testing.assert_allclose(np.asarray(blockwise)[0, real], np.asarray(dense)[0, real], rtol=1e-5, atol=1e-6)

@@ -39,12 +39,16 @@ class Case:
     window: int | None = None
     seed: int = 0
     chain_depth: int = 0  # AttentionSpec.chain_depth of the COD cases
+    # a DFlash block case (`AttentionSpec.block`): (context length, block size, blocks, docs)
+    block: tuple | None = None
 
 
 def make_case(case: Case):
     """-> (q, k, v, spec, sinks) as jax arrays."""
     rng = np.random.default_rng(case.seed)
-    if case.causal is not None:
+    if case.block is not None:
+        spec, (B, Tq, Tk) = block_spec(case, rng)
+    elif case.causal is not None:
         Tq, Tk, n_docs, valid = case.causal
         B = len(valid)
         kv_pos = np.tile(np.arange(Tk, dtype=np.int32), (B, 1))
@@ -78,6 +82,20 @@ def make_case(case: Case):
     if case.sinks:
         sinks = jnp.asarray(rng.normal(size=case.hq), jnp.float32)
     return q, k, v, spec, sinks
+
+
+def block_spec(case: Case, rng):
+    """DFlash blocks over a packed context: sorted distinct anchors (one a padding block), the
+    documents contiguous, the last rows of the context padding."""
+    length, bs, n, docs = case.block
+    bounds = np.sort(rng.choice(np.arange(1, length), docs - 1, replace=False))
+    doc = np.searchsorted(bounds, np.arange(length), side="right").astype(np.int32)
+    doc[-3:] = -1
+    anchors = np.sort(rng.choice(length - bs, n, replace=False)).astype(np.int32)
+    block_doc = doc[anchors].copy()
+    block_doc[n // 2] = -1
+    spec = AttentionSpec.block(anchors, block_doc, np.arange(length), doc, block_size=bs)
+    return spec, (1, n * bs, length + n * bs)
 
 
 @functools.cache
@@ -187,6 +205,9 @@ CASE_COD_GROUPED = Case(
     sinks=True,
     seed=7,
 )
+# DFlash blocks: context keys then bidirectional blocks, one padding block, 3 documents
+CASE_BLOCK = Case("dflash_block_gqa2_d64_f32", "float32", hq=4, hkv=2, d=64, block=(70, 8, 6, 3), seed=11)
+CASE_BLOCK_LONG = Case("dflash_block_gqa2_d64_f32_long", "float32", hq=4, hkv=2, d=64, block=(200, 16, 9, 3), seed=11)
 CASE_CAUSAL = Case("causal_mha_d64_f32_cross", "float32", hq=2, hkv=2, d=64, causal=(40, 100, 2, (40, 10)), seed=5)
 # TPU blocks are multiples of 128: longer rows so that there are several blocks
 CASE_COD_F32_LONG = Case(

@@ -10,7 +10,7 @@ import pytest
 from kernels import AttentionSpec, attention
 
 BLOCKS = dict(block_q=32, block_k=16)
-CASES = [kt.CASE_COD_F32, kt.CASE_COD_BF16, kt.CASE_CAUSAL]
+CASES = [kt.CASE_COD_F32, kt.CASE_COD_BF16, kt.CASE_CAUSAL, kt.CASE_BLOCK]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

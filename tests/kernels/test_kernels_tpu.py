@@ -12,7 +12,7 @@ from kernels import AttentionSpec, attention
 
 
 @pytest.mark.parametrize(
-    "case", [kt.CASE_COD_F32_LONG, kt.CASE_COD_BF16_LONG, kt.CASE_CAUSAL_LONG], ids=lambda c: c.name
+    "case", [kt.CASE_COD_F32_LONG, kt.CASE_COD_BF16_LONG, kt.CASE_CAUSAL_LONG, kt.CASE_BLOCK_LONG], ids=lambda c: c.name
 )
 def test_tpu_interpret_matches_reference(case):
     kt.assert_backend_matches_reference(case, "tpu", interpret="generic")

@@ -19,8 +19,11 @@ peagle-convert import-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-s
   written) when `inspect` would report a problem, unless `--force`. With `--target`, a
   `max_position_embeddings` below the target's is raised to it. Prints the vLLM serve command
   (`peagle_jax.inspect.serve_command`: K = the trained depth capped at 7, P-EAGLE's best served K).
-- `import`: a vLLM-native or speculators folder (EAGLE-3 or P-EAGLE) -> our checkpoint
-  (`drafter.json` + `state/`). `inspect`: the lint (`peagle_jax.inspect`); exit 1 on a problem.
+- `import`: a vLLM-native or speculators folder (EAGLE-3, P-EAGLE or DFlash) -> our checkpoint
+  (`drafter.json` + `state/`); a DFlash head saved without embed_tokens / lm_head (speculators)
+  takes them from `--target DIR`. DFlash exports: `DFlashDraftModel` with `dflash_config`
+  (vLLM native, z-lab ids = ours - 1) or speculators "dflash"; served with `"method": "dflash"`,
+  K = block_size - 1. `inspect`: the lint (`peagle_jax.inspect`); exit 1 on a problem.
 - `export-target` / `import-target`: a target model's Hugging Face folder, loaded and validated
   (every tensor consumed, every shape checked) and written back by this project
   (`weights.target_tensors` + `registry.hf_config`, tokenizer files copied): the HF round trip.
@@ -98,8 +101,9 @@ def check_output(src: str | os.PathLike, out: str | os.PathLike) -> Path:
 
 # ---------------------------------------------------------------------------------------
 # drafters
-def _read_head(path: str | os.PathLike):
-    """(config, arrays) of our checkpoint or any head folder `drafter_io.read_drafter` reads."""
+def _read_head(path: str | os.PathLike, target=None):
+    """(config, arrays) of our checkpoint or any head folder `drafter_io.read_drafter` reads;
+    `target` (a folder): where a head's missing target-shared tensors come from."""
     p = Path(path)
     if not p.exists():
         raise ConvertError(f"{p}: no such file or folder")
@@ -109,7 +113,8 @@ def _read_head(path: str | os.PathLike):
         raise ConvertError(
             f"{p}: holds neither {OWN_CONFIG_FILE} (our checkpoint) nor {CONFIG_FILE} (a vLLM / speculators folder)"
         )
-    config, arrays, _ = drafter_io.read_drafter(p)
+    usable = target is not None and Path(target).is_dir()  # a bad --target is reported by its check
+    config, arrays, _ = drafter_io.read_drafter(p, **(_target_sources(Path(target)) if usable else {}))
     return config, arrays
 
 
@@ -149,7 +154,7 @@ def export_drafter(
     parse_size(max_shard_size)
     dest = check_output(ckpt, out)
     check_destination(dest, overwrite, CONFIG_FILE)
-    cfg, arrays = _read_head(ckpt)
+    cfg, arrays = _read_head(ckpt, target)
     notes: list[str] = []
     target, tinfo = _export_target(target, cfg.verifier, Path(ckpt), notes)
     if tinfo is not None and cfg.max_position_embeddings < tinfo["max_position_embeddings"]:
@@ -180,22 +185,33 @@ def export_drafter(
     return folder, report
 
 
-def _target_embeddings(folder: Path):
-    """A callable giving a target's [V, H] input embeddings, read only when called. Not
-    `load_target`: only the weights are needed, not an aux-id setup (tiny targets have no
-    valid default ids)."""
+def _target_sources(folder: Path) -> dict:
+    """read_drafter's `embeddings` and `target_weights` callables for a target folder, its
+    weights read once, only when called. Not `load_target`: only the weights are needed, not an
+    aux-id setup (tiny targets have no valid default ids)."""
     if not folder.is_dir():
         raise ConvertError(f"{folder}: no such target folder")
+    loaded = {}
 
-    def embeddings():
+    def params():
+        if not loaded:
+            from peagle_jax.models.registry import target_config
+            from peagle_jax.weights import load_params
+
+            loaded["params"] = load_params(folder, target_config(folder), "float32")
+        return loaded["params"]
+
+    def embeddings():  # as the target's first layer sees them (an EAGLE-3 head's)
         from peagle_jax.models.decoder import embedding_arrays
-        from peagle_jax.models.registry import target_config
-        from peagle_jax.weights import load_params
 
-        graphdef, state = load_params(folder, target_config(folder), "float32")
-        return embedding_arrays(graphdef, state)[0]
+        return embedding_arrays(*params())[0]
 
-    return embeddings
+    def target_weights():  # the stored rows and the lm_head (a DFlash head's)
+        from peagle_jax.models.decoder import embedding_arrays
+
+        return embedding_arrays(*params(), scaled=False)
+
+    return {"embeddings": embeddings, "target_weights": target_weights}
 
 
 def import_drafter_folder(
@@ -208,7 +224,7 @@ def import_drafter_folder(
 ):
     """A vLLM-native / speculators folder (or our checkpoint) -> our checkpoint at `out`.
     `target`: the target's HF folder, whose embeddings an EAGLE-3 head without embed_tokens
-    takes. Returns the head's DrafterConfig."""
+    takes (a DFlash head: its embeddings and lm_head). Returns the head's DrafterConfig."""
     p = Path(src)
     if not p.exists():
         raise ConvertError(f"{p}: no such file or folder")
@@ -216,10 +232,10 @@ def import_drafter_folder(
         raise ConvertError(f"{p}: not a folder")
     dest = check_output(p, out)
     check_destination(dest, overwrite, OWN_CONFIG_FILE)
-    embeddings = None if target is None else _target_embeddings(Path(target))
+    sources = {} if target is None else _target_sources(Path(target))
     if not (p / OWN_CONFIG_FILE).exists() and not (p / CONFIG_FILE).exists():
         raise ConvertError(f"{p / CONFIG_FILE}: no such file (not a vLLM / speculators drafter folder)")
-    config, arrays, _ = drafter_io.read_drafter(p, embeddings=embeddings)
+    config, arrays, _ = drafter_io.read_drafter(p, **sources)
     drafter_io.write_own(dest, config, arrays, dtype)
     return config
 
@@ -333,7 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=defaults,
         help="vLLM-native / speculators folder -> our drafter checkpoint",
         description="A vLLM-native EAGLE-3 / P-EAGLE folder (midlayer.* or layers.0.*, with or "
-        "without attention bias, draft vocab with d2t) or a speculators peagle / eagle3 folder -> "
+        "without attention bias, draft vocab with d2t), a DFlash folder (DFlashDraftModel) or a speculators "
+        "peagle / eagle3 / dflash folder -> "
         "our checkpoint (drafter.json + state/), loaded by peagle_jax.load_drafter.",
     )
     p.add_argument("src", metavar="SRC", help="source folder")
@@ -344,7 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["float32", "bfloat16"],
         help="parameter dtype of our checkpoint (float32 is exact for bf16 sources)",
     )
-    p.add_argument("--target", metavar="DIR", help="target HF folder: embeddings for an EAGLE-3 head that ships none")
+    p.add_argument(
+        "--target",
+        metavar="DIR",
+        help="target HF folder: embeddings for an EAGLE-3 head that ships none (DFlash: embeddings and lm_head)",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT checkpoint")
 
     p = sub.add_parser(

@@ -118,9 +118,13 @@ class Drafter:
 def load_drafter(path: str | os.PathLike, *, target=None, dtype=None) -> Drafter:
     """An own checkpoint (drafter.json), or a vLLM-native or speculators folder (config.json +
     safetensors; see `peagle_jax.drafter_io`). `target` (a Target) supplies embed_tokens for an
-    EAGLE-3 chain head that ships none. `dtype` None = the checkpoint's own (imports: float32)."""
-    embeddings = None if target is None else (lambda: target.embedding_arrays()[0])
-    config, arrays, stored = drafter_io.read_drafter(path, embeddings=embeddings)
+    EAGLE-3 chain head that ships none, and embed_tokens / lm_head for a DFlash head (speculators
+    saves neither for a full vocabulary). `dtype` None = the checkpoint's own (imports: float32)."""
+    embeddings = weights = None
+    if target is not None:
+        embeddings = lambda: target.embedding_arrays()[0]  # noqa: E731
+        weights = lambda: target.embedding_arrays(scaled=False)  # noqa: E731 - what a DFlash head shares
+    config, arrays, stored = drafter_io.read_drafter(path, embeddings=embeddings, target_weights=weights)
     d = dtype or stored
     return Drafter.from_arrays(config, arrays, d, path=Path(path), where=f"{path}: ")
 

@@ -7,8 +7,14 @@ Our own checkpoint (`drafter.json` + orbax `state/`) and two layouts of other to
   `mask_token_id` / `pard_token` / `ptd_token_id`; aux ids top level or in `eagle_config`.
 - speculators (`speculators_model_type: "peagle"` or `"eagle3"`): the layer shape in
   `transformer_layer_config`, weights under `layers.{i}.*`.
-Their config.json files are read by `peagle_jax.head_config` and written by
-`peagle_jax.head_config_write` (both re-exported here).
+- DFlash heads (mode "dflash") in both: vLLM native / z-lab `DFlashDraftModel` (every tensor,
+  embed_tokens and lm_head included) and speculators "dflash" (as `DFlashDraftModel.save_pretrained`
+  writes it: no embed_tokens, lm_head only with a draft vocabulary). Tensors: fc.weight [H, n*Ht]
+  (n context layers), hidden_norm.weight [H], layers.{i}.* with q/k norms, norm, lm_head, d2t / t2d.
+  A missing embed_tokens / lm_head comes from the target (`read_drafter(target_weights=...)`).
+Their config.json files are read by `peagle_jax.head_config` (DFlash keys:
+`peagle_jax.head_config_dflash`) and written by `peagle_jax.head_config_write` (both re-exported
+here). Our own checkpoint format is `peagle_jax.drafter_own` (re-exported here too).
 
 Tensor names (PyTorch [out, in]): embed_tokens.weight [V, H], fc.weight [H, 3Ht],
 input_norm.weight [3Ht] (norm_before_fc), fc_norm.{0,1,2}.weight [Ht] (fc_norm),
@@ -34,7 +40,6 @@ into a temporary sibling folder renamed into place. Where the tools differ, vLLM
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from pathlib import Path
@@ -42,11 +47,20 @@ from pathlib import Path
 import numpy as np
 
 from peagle_jax.config import NUM_AUX, ConfigError, DrafterConfig, default_aux_layer_ids, read_json
-from peagle_jax.dtypes import EXPORT, dtype_name, numpy_dtype
-from peagle_jax.folders import CONFIG_FILE, SINGLE_FILE, atomic_folder, check_destination, write_hf_folder
+from peagle_jax.drafter_own import (  # noqa: F401 - re-exported: the own format lives there
+    OWN_CONFIG_FILE,
+    OWN_FORMAT,
+    OWN_STATE_DIR,
+    OWN_VERSION,
+    local_checkpointer,
+    read_own,
+    write_own,
+)
+from peagle_jax.dtypes import EXPORT, numpy_dtype
+from peagle_jax.folders import CONFIG_FILE, SINGLE_FILE, write_hf_folder
 from peagle_jax.head_config import head_facts, read_speculators_config, read_vllm_config
 from peagle_jax.head_config_write import speculators_config, vllm_config
-from peagle_jax.models.drafter import abstract_drafter, check_d2t, flat_state, state_from_arrays, t2d_from_d2t
+from peagle_jax.models.drafter import abstract_drafter, check_d2t, flat_state, t2d_from_d2t
 from peagle_jax.serving import resolve_verifier, target_facts
 
 __all__ = [
@@ -73,12 +87,9 @@ __all__ = [
     "export_speculators",
 ]
 
-OWN_CONFIG_FILE = "drafter.json"
-OWN_STATE_DIR = "state"
-OWN_FORMAT = "peagle_jax.drafter"
-OWN_VERSION = 1
 LAYER0, MIDLAYER = "layers.0.", "midlayer."
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # safetensors header names
+TARGET_SHARED = ("embed_tokens.weight", "lm_head.weight")  # a DFlash head may take them from the target
 
 
 class DrafterIOError(ValueError):
@@ -97,13 +108,16 @@ def key_map(cfg: DrafterConfig) -> list[tuple[str, tuple, str]]:
         ("embed_tokens.weight", ("embed_tokens", "embedding"), "identity"),
         ("fc.weight", ("fc", "kernel"), "linear"),
     ]
+    dflash = cfg.mode == "dflash"
+    if dflash:  # the context norm after fc (EAGLE-3 heads have theirs in layer 0)
+        rows.append(("hidden_norm.weight", ("hidden_norm", "weight"), "identity"))
     if cfg.norm_before_fc:
         rows.append(("input_norm.weight", ("input_norm", "weight"), "identity"))
     if cfg.fc_norm:
         rows += [(f"fc_norm.{j}.weight", ("fc_norm", j, "weight"), "identity") for j in range(NUM_AUX)]
     for i in range(cfg.num_layers):
         pre = f"layers.{i}."
-        norms = ["input_layernorm", "post_attention_layernorm"] + (["hidden_norm"] if i == 0 else [])
+        norms = ["input_layernorm", "post_attention_layernorm"] + (["hidden_norm"] if i == 0 and not dflash else [])
         rows += [(f"{pre}{n}.weight", ("layers", i, n, "weight"), "identity") for n in norms]
         for p in "qkvo":
             proj = ("layers", i, "self_attn", f"{p}_proj")
@@ -140,7 +154,13 @@ def checkpoint_shape(our_shape: tuple, transform: str) -> tuple:
 
 
 def _needs_tensor(cfg: DrafterConfig, key: str) -> bool:
-    return key != "d2t" or cfg.draft_vocab_size < cfg.vocab_size
+    """Whether a checkpoint must hold `key`: d2t only for a draft vocabulary; a DFlash head
+    may leave its embed_tokens (always) and a full-vocabulary lm_head to the target's, as vLLM
+    and speculators do."""
+    reduced = cfg.draft_vocab_size < cfg.vocab_size
+    if cfg.mode == "dflash" and key in TARGET_SHARED:
+        return key == "lm_head.weight" and reduced
+    return key != "d2t" or reduced
 
 
 # ---------------------------------------------------------------------------------------
@@ -171,12 +191,16 @@ def _read(ckpt, key: str) -> np.ndarray:
         raise DrafterIOError(str(err)) from None
 
 
-def read_drafter(path: str | os.PathLike, *, embeddings=None) -> tuple[DrafterConfig, dict, str]:
+def read_drafter(path: str | os.PathLike, *, embeddings=None, target_weights=None) -> tuple[DrafterConfig, dict, str]:
     """(config, {path: array}, dtype) of a drafter folder in any format: our checkpoint,
     vLLM-native or speculators. dtype: the one a handle should hold the arrays in (our
     checkpoint: as saved; imports: "float32", exact for bf16 / f16 files); imported float
     arrays keep the file's dtype. `embeddings`: a callable giving the target's [V, H] input
-    embeddings, used only for an EAGLE-3 chain head that ships no embed_tokens."""
+    embeddings, used only for a head that ships no embed_tokens (an EAGLE-3 chain head; a
+    DFlash head when `target_weights` is not given). `target_weights`: a callable giving the
+    target's stored (embedding [V, H] without Gemma's scale, lm_head [V, H]), what a DFlash head
+    that ships no embed_tokens / lm_head takes (speculators saves neither for a full vocabulary;
+    a draft vocabulary's lm_head rows are the target's at d2t)."""
     folder = Path(path)
     fmt = detect_format(folder)
     if fmt == "own":
@@ -187,7 +211,18 @@ def read_drafter(path: str | os.PathLike, *, embeddings=None) -> tuple[DrafterCo
         config = _verifier_aux_ids(read_speculators_config(raw, where), folder)
     else:
         config = read_vllm_config(raw, where)
-    return config, _read_tensors(folder, config, embeddings), "float32"
+    return config, _read_tensors(folder, config, TargetSource(embeddings, target_weights)), "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetSource:
+    """Where a head's missing target-shared tensors come from (callables, None: not given)."""
+
+    embeddings: object = None  # () -> [V, H] input embedding as the target's first layer sees it
+    weights: object = None  # () -> (stored embedding [V, H], lm_head [V, H])
+
+    def stored(self):
+        return None if self.weights is None else self.weights()
 
 
 def _verifier_aux_ids(config: DrafterConfig, folder: Path) -> DrafterConfig:
@@ -264,7 +299,7 @@ def _check_float(ckpt, name: str, want: tuple, transform: str, chk: TensorCheck)
         chk.errors.append(f"{src}: tensor {name!r} has shape {list(got)}, expected {list(want)}{hint}")
 
 
-def _read_tensors(folder: Path, config: DrafterConfig, embeddings) -> dict[tuple, np.ndarray]:
+def _read_tensors(folder: Path, config: DrafterConfig, source: TargetSource) -> dict[tuple, np.ndarray]:
     ckpt = _checkpoint(folder)
     chk = check_tensors(ckpt, config)
     if chk.errors:
@@ -276,15 +311,18 @@ def _read_tensors(folder: Path, config: DrafterConfig, embeddings) -> dict[tuple
             f"(mode {config.mode}, {config.num_layers} layers)"
         )
     out: dict[tuple, np.ndarray] = {}
+    absent = []
     for name, ours, transform, want in chk.rows:
         if name not in ckpt.where:
-            out[ours] = _missing(folder, config, name, want, embeddings)
+            absent.append((name, ours, want))
         elif transform == "d2t":
             out[ours] = read_id_map(ckpt, config)
         else:  # checked: a float tensor of the right size
             arr = _read(ckpt, name)
             arr = arr.reshape(want) if transform == "mask" else arr
             out[ours] = np.ascontiguousarray(arr.T) if transform == "linear" else arr
+    for name, ours, want in sorted(absent, key=lambda row: row[0] != "d2t"):  # d2t first: lm_head rows use it
+        out[ours] = _missing(folder, config, name, want, source, out)
     return out
 
 
@@ -315,16 +353,15 @@ def _check_t2d(ckpt, d2t: np.ndarray, vocab_size: int) -> None:
         raise DrafterIOError(f"{ckpt.where['t2d']}: tensor 't2d' does not match 'd2t'")
 
 
-def _missing(folder: Path, config: DrafterConfig, key: str, want: tuple, embeddings) -> np.ndarray:
+def _missing(folder: Path, config: DrafterConfig, key: str, want: tuple, source: TargetSource, got: dict):
     f = folder / SINGLE_FILE if (folder / SINGLE_FILE).exists() else folder
     if key == "d2t" and not _needs_tensor(config, key):
         return np.zeros(want, np.int32)  # full vocabulary: identity map
+    if config.mode == "dflash" and key in TARGET_SHARED:
+        return _from_target(f, config, key, want, source, got[("d2t",)])
     if key == "embed_tokens.weight":
-        if embeddings is not None and config.mode == "chain":
-            emb = embeddings()
-            if emb.shape != want:
-                raise DrafterIOError(f"{f}: target embedding shape {list(emb.shape)} != {list(want)}")
-            return emb
+        if source.embeddings is not None and config.mode == "chain":
+            return _target_shaped(f, "embedding", source.embeddings(), want)
         raise DrafterIOError(
             f"{f}: missing tensor 'embed_tokens.weight'. A P-EAGLE head must ship its trained embeddings "
             "(vLLM would otherwise share the target's, whose mask-token row is untrained). For an "
@@ -336,6 +373,32 @@ def _missing(folder: Path, config: DrafterConfig, key: str, want: tuple, embeddi
             "(vLLM raises without it when parallel_drafting is on)"
         )
     raise DrafterIOError(f"{f}: missing tensor {key!r} (shape {list(want)})")
+
+
+def _target_shaped(f: Path, what: str, arr, want: tuple) -> np.ndarray:
+    arr = np.asarray(arr)
+    if arr.shape != tuple(want):
+        raise DrafterIOError(f"{f}: target {what} shape {list(arr.shape)} != {list(want)}")
+    return arr
+
+
+def _from_target(f: Path, config: DrafterConfig, key: str, want: tuple, source: TargetSource, d2t) -> np.ndarray:
+    """A DFlash head's embed_tokens / lm_head taken from the target (speculators saves neither
+    for a full vocabulary, z-lab heads often ship none): the stored embedding rows, the lm_head
+    rows of the draft vocabulary (draft id i -> target id i + d2t[i]) as our [H, Vd] kernel."""
+    stored = source.stored()
+    if stored is None and key == "embed_tokens.weight" and source.embeddings is not None:
+        return _target_shaped(f, "embedding", source.embeddings(), want)
+    if stored is None:
+        raise DrafterIOError(
+            f"{f}: missing tensor {key!r}: this DFlash head takes the target's (speculators does not save it); "
+            "pass target=load_target(...) (peagle-convert import/export --target DIR)"
+        )
+    if key == "embed_tokens.weight":
+        return _target_shaped(f, "embedding", stored[0], want)
+    head = _target_shaped(f, "lm_head", stored[1], (config.vocab_size, config.hidden_size))
+    ids = np.arange(config.draft_vocab_size) + np.asarray(d2t, np.int64)
+    return np.ascontiguousarray(head[ids].T)
 
 
 # ---------------------------------------------------------------------------------------
@@ -365,13 +428,21 @@ def checkpoint_tensors(
 
 
 def vllm_tensors(config: DrafterConfig, arrays: dict, dtype="bfloat16") -> dict[str, np.ndarray]:
-    """`checkpoint_tensors` in vLLM's native layout: layer 0 as `midlayer.*`."""
-    return checkpoint_tensors(config, arrays, dtype, MIDLAYER)
+    """`checkpoint_tensors` in vLLM's native layout: layer 0 as `midlayer.*` (DFlash: `layers.0.*`,
+    every tensor, embed_tokens and lm_head too, which vLLM's DFlash loader takes when present)."""
+    return checkpoint_tensors(config, arrays, dtype, LAYER0 if config.mode == "dflash" else MIDLAYER)
 
 
 def speculators_tensors(config: DrafterConfig, arrays: dict, dtype="bfloat16") -> dict[str, np.ndarray]:
-    """`checkpoint_tensors` in the speculators layout: layer 0 as `layers.0.*`."""
-    return checkpoint_tensors(config, arrays, dtype, LAYER0)
+    """`checkpoint_tensors` in the speculators layout: layer 0 as `layers.0.*`. DFlash heads as
+    speculators' `DFlashDraftModel.save_pretrained` writes them: no embed_tokens, and an lm_head
+    only with a draft vocabulary (both are the target's otherwise)."""
+    out = checkpoint_tensors(config, arrays, dtype, LAYER0)
+    if config.mode == "dflash":
+        for key in TARGET_SHARED:
+            if not _needs_tensor(config, key):
+                out.pop(key)
+    return out
 
 
 def export_vllm(head, out: str | os.PathLike, dtype="bfloat16", *, overwrite: bool = False) -> Path:
@@ -391,76 +462,3 @@ def export_speculators(
     return write_hf_folder(
         out, speculators_config(c, dtype, verifier), speculators_tensors(c, head.arrays(), dtype), overwrite=overwrite
     )
-
-
-# ---------------------------------------------------------------------------------------
-# our own checkpoint: drafter.json (config) + state/ (orbax)
-
-
-def local_checkpointer():
-    """An orbax checkpointer for this process alone: a head folder is written and read by one
-    process, also inside a multi-host run (orbax's default waits for every process)."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    if jax.process_count() == 1:
-        return ocp.StandardCheckpointer()
-    me = jax.process_index()
-    opts = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"p{me}")
-    return ocp.StandardCheckpointer(multiprocessing_options=opts)
-
-
-def write_own(path: str | os.PathLike, config: DrafterConfig, arrays: dict, dtype="float32") -> Path:
-    """Our checkpoint, written to a temporary sibling folder and renamed into place; an
-    existing drafter checkpoint (or empty folder) at `path` is replaced, anything else refused."""
-    import jax
-    from flax import nnx
-
-    dest = Path(path).absolute()
-    check_destination(dest, overwrite=True, marker=OWN_CONFIG_FILE)  # replaces only a drafter checkpoint
-    _, state = state_from_arrays(config, arrays, dtype)
-    with atomic_folder(dest) as tmp:
-        meta = {"format": OWN_FORMAT, "version": OWN_VERSION, "dtype": dtype_name(dtype), "config": config.to_dict()}
-        (tmp / OWN_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        with local_checkpointer() as ckptr:
-            tree = nnx.to_pure_dict(state)
-            if jax.process_count() > 1:  # orbax refuses process-local jax.Arrays in a multi-host run
-                tree = jax.tree.map(np.asarray, tree)
-            ckptr.save(tmp / OWN_STATE_DIR, tree)
-            ckptr.wait_until_finished()
-    return dest
-
-
-def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
-    from flax import nnx
-
-    cfg_file = path / OWN_CONFIG_FILE
-    meta = read_json(cfg_file)
-    if meta.get("format") != OWN_FORMAT:
-        raise ConfigError(f"{cfg_file}: key 'format' is {meta.get('format')!r}, expected {OWN_FORMAT!r}")
-    if meta.get("version") != OWN_VERSION:
-        raise ConfigError(f"{cfg_file}: unsupported version {meta.get('version')!r} (this build reads {OWN_VERSION})")
-    config = DrafterConfig.from_dict(meta.get("config") or {}, f"{cfg_file} key 'config'")
-    stored = dtype_name(meta.get("dtype", "float32"))
-    state_dir = path / OWN_STATE_DIR
-    if not state_dir.is_dir():
-        raise FileNotFoundError(f"{state_dir}: missing (a drafter checkpoint holds drafter.json and state/)")
-    _, abstract = abstract_drafter(config, stored)
-    with local_checkpointer() as ckptr:
-        try:
-            restored = ckptr.restore(state_dir.absolute(), nnx.to_pure_dict(abstract))
-        except Exception as err:  # orbax raises many types; name the folder
-            raise ValueError(f"{state_dir}: cannot restore the drafter state ({err})") from None
-    arrays = {
-        tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in p): np.asarray(v)
-        for p, v in _flatten(restored)
-    }
-    return config, arrays, stored
-
-
-def _flatten(tree, prefix=()):
-    if isinstance(tree, dict):
-        for k, v in tree.items():
-            yield from _flatten(v, prefix + (k,))
-    else:
-        yield prefix, tree

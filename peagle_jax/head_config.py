@@ -19,6 +19,9 @@ Semantics taken from vLLM (the serving contract) where the tools differ:
   "sliding_attention" per drafter layer) and `sliding_window`, the keys vLLM's Llama attention
   reads per draft layer (`layer_types[layer_idx - target_layer_count]`); speculators 0.9.0 writes
   them with `use_sliding_window`, which must agree with them (`layer_windows`).
+- DFlash heads (speculators_model_type "dflash", vLLM architecture `DFlashDraftModel`): the same
+  facts plus `HeadFacts.dflash` (block size, mask id and context-layer keys as written), read
+  and checked by `peagle_jax.head_config_dflash` (z-lab's target_layer_ids are ours - 1).
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ from peagle_jax.config_fields import (
     ConfigError,
     check_attention,
     check_fields,
+)
+from peagle_jax.head_config_dflash import (
+    DFLASH_ARCH,
+    DFLASH_TYPE,
+    dflash_aux,
+    dflash_conflicts,
+    dflash_fields,
+    dflash_settings,
 )
 from peagle_jax.models.registry import ARCHITECTURES
 
@@ -86,14 +97,23 @@ class HeadFacts:
     norm_before_fc: object
     layer_flags: dict  # LAYER_FLAGS name -> {"top": value, "layer": value}, places present only
     use_aux_hidden_state: object
+    dflash: dict | None = None  # a DFlash head's keys as written (`head_config_dflash.dflash_fields`)
 
     @property
     def mask_id(self):
         return next(iter(self.mask_ids.values()), None)
 
     @property
+    def block_size(self):
+        """A DFlash head's block size as written (None: not a DFlash head, or none written)."""
+        return next(iter(self.dflash["block_sizes"].values()), None) if self.dflash else None
+
+    @property
     def aux(self):
-        """The aux ids vLLM uses: the top-level key, else the one inside eagle_config."""
+        """The aux ids vLLM uses: the top-level key, else the one inside eagle_config (DFlash:
+        `head_config_dflash.dflash_aux`, in our convention)."""
+        if self.dflash is not None:
+            return dflash_aux(self.aux_ids)
         return self.aux_ids.get(AUX_KEY, self.aux_ids.get(AUX_INNER))
 
     def flag(self, name: str):
@@ -106,6 +126,8 @@ class HeadFacts:
         out = []
         if len({str(v) for v in self.mask_ids.values()}) > 1:
             out.append(f"the mask token keys disagree: {self.mask_ids}")
+        if self.dflash is not None:
+            return out + dflash_conflicts(self.dflash)
         if len(self.aux_ids) == 2 and self.aux_ids[AUX_KEY] != self.aux_ids[AUX_INNER]:
             out.append(f"{AUX_KEY!r} {self.aux_ids[AUX_KEY]} differs from {AUX_INNER!r} {self.aux_ids[AUX_INNER]}")
         for name, places in self.layer_flags.items():
@@ -122,22 +144,46 @@ def head_facts(raw: dict, where: str) -> HeadFacts:
     an unknown architecture or speculators type, no layer config, or a missing layer size."""
     if "speculators_model_type" in raw:
         kind = raw["speculators_model_type"]
-        if kind not in SPECULATORS_TYPES:
+        if kind not in SPECULATORS_TYPES and kind != DFLASH_TYPE:
             raise ConfigError(
-                f"{where}: key 'speculators_model_type' is {kind!r} (supported: {', '.join(SPECULATORS_TYPES)})"
+                f"{where}: key 'speculators_model_type' is {kind!r} "
+                f"(supported: {', '.join(SPECULATORS_TYPES)}, {DFLASH_TYPE})"
             )
         layer = raw.get("transformer_layer_config")
         if not isinstance(layer, dict):
             raise ConfigError(f"{where}: missing key 'transformer_layer_config'")
-        return _speculators_facts(raw, where, kind, layer)
+        facts = _speculators_facts(raw, where, kind, layer)
+        return _as_dflash(facts, raw) if kind == DFLASH_TYPE else facts
     arch = raw.get("architectures") or []
-    known = [a for a in arch if a in VLLM_ARCHITECTURES] if isinstance(arch, list) else []
+    known = [a for a in arch if a in VLLM_ARCHITECTURES or a == DFLASH_ARCH] if isinstance(arch, list) else []
     if not known:
         raise ConfigError(
             f"{where}: key 'architectures' is {arch!r}, not a drafter head "
-            f"(known: {', '.join(VLLM_ARCHITECTURES)}, or a speculators config)"
+            f"(known: {', '.join(VLLM_ARCHITECTURES)}, {DFLASH_ARCH}, or a speculators config)"
         )
-    return _vllm_facts(raw, where, known[0])
+    facts = _vllm_facts(raw, where, known[0])
+    return _as_dflash(facts, raw) if known[0] == DFLASH_ARCH else facts
+
+
+def _as_dflash(f: HeadFacts, raw: dict) -> HeadFacts:
+    """A DFlash head's facts: its own mask-id, context-layer and block-size keys, no EAGLE-3 norms."""
+    fields = dflash_fields(raw, f.fmt)
+    hints = dict(f.k_hints)
+    block = next(iter(fields["block_sizes"].values()), None)
+    if isinstance(block, int) and not isinstance(block, bool):
+        hints["drafts_per_pass"] = block - 1
+    return dataclasses.replace(
+        f,
+        mode="dflash",
+        mask_ids=fields["mask_ids"],
+        aux_ids=fields["aux_ids"],
+        k_hints=hints,
+        norm_before_residual=False,
+        norm_before_fc=False,
+        layer_flags={},
+        use_aux_hidden_state=None,
+        dflash=fields,
+    )
 
 
 def _sizes(layer: dict, where: str) -> dict:
@@ -213,7 +259,7 @@ def _speculators_facts(raw: dict, where: str, kind: str, layer: dict) -> HeadFac
         layer=layer,
         layer_where=layer_where,
         sizes=_sizes(layer, layer_where),
-        mode=SPECULATORS_TYPES[kind],
+        mode=SPECULATORS_TYPES.get(kind),
         mask_ids=_present(raw, ("mask_token_id",)),
         aux_ids=_present(raw, (AUX_KEY,)),
         draft_vocab_size=raw.get("draft_vocab_size"),
@@ -367,6 +413,8 @@ def drafter_config(f: HeadFacts) -> DrafterConfig:
         )
     _check_head_fields(f)
     layer = _layer_fields(f)
+    if f.dflash is not None:
+        return _dflash_config(f, layer)
     mask_id = f.mask_id
     if f.fmt == "speculators" and f.mode == "parallel" and mask_id is None:
         raise ConfigError(f"{f.where}: missing key 'mask_token_id' (required for a peagle head)")
@@ -387,6 +435,32 @@ def drafter_config(f: HeadFacts) -> DrafterConfig:
             target_model_type=f.target_family,
             verifier=f.verifier,
             **flags,
+        )
+    except ConfigError as err:  # DrafterConfig's own checks name no file
+        raise ConfigError(f"{f.where}: {err}") from None
+
+
+def _dflash_config(f: HeadFacts, layer: dict) -> DrafterConfig:
+    """The DrafterConfig of a DFlash head's facts (Qwen3 layers, hidden size = the target's)."""
+    settings = dflash_settings(f.dflash, f.fmt, f.where, layer["vocab_size"])
+    hidden = layer["hidden_size"]
+    target_hidden = _or(f.target_hidden_size, hidden)
+    if target_hidden != hidden:
+        raise ConfigError(
+            f"{f.where}: key 'target_hidden_size' is {target_hidden}, but a DFlash head's hidden_size "
+            f"({hidden}) must equal the target's (its layers read the target's embeddings)"
+        )
+    try:
+        return DrafterConfig(
+            **layer,
+            **settings,
+            target_hidden_size=target_hidden,
+            draft_vocab_size=_or(f.draft_vocab_size, layer["vocab_size"]),
+            mode="dflash",
+            k_train=f.k_train,
+            qk_norm=True,
+            target_model_type=f.target_family,
+            verifier=f.verifier,
         )
     except ConfigError as err:  # DrafterConfig's own checks name no file
         raise ConfigError(f"{f.where}: {err}") from None

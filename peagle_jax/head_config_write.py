@@ -1,5 +1,7 @@
 """`DrafterConfig` -> the config.json of a vLLM-native or a speculators head (the reader, with the
-semantics both tools give these keys, is `peagle_jax.head_config`)."""
+semantics both tools give these keys, is `peagle_jax.head_config`). DFlash heads (mode
+"dflash") get their own layouts: `DFlashDraftModel` with `dflash_config` (z-lab ids, ours - 1)
+for vLLM, `speculators_model_type: "dflash"` for speculators (`peagle_jax.head_config_dflash`)."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ from peagle_jax.head_config import (
     SPECULATORS_ARCH,
     SPECULATORS_VERSION,
 )
+from peagle_jax.head_config_dflash import DFLASH_ARCH, DFLASH_SPECULATORS_ARCH, DFLASH_TYPE
 from peagle_jax.models.registry import architecture_of
 
-__all__ = ["vllm_config", "speculators_config"]
+__all__ = ["vllm_config", "speculators_config", "dflash_vllm_config", "dflash_speculators_config"]
 
 
 def window_fields(c: DrafterConfig) -> dict:
@@ -53,7 +56,10 @@ def _llama_fields(c: DrafterConfig) -> dict:
 
 
 def vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
-    """The config.json of the vLLM-native layout (`LlamaForCausalLMEagle3`)."""
+    """The config.json of the vLLM-native layout (`LlamaForCausalLMEagle3`; DFlash heads:
+    `DFlashDraftModel`)."""
+    if c.mode == "dflash":
+        return dflash_vllm_config(c, dtype)
     if c.qk_norm:
         raise ConfigError(
             "export_vllm: this head has q/k norms (a Qwen3 layer config), which vLLM's "
@@ -83,12 +89,13 @@ def vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
 
 def speculators_config(c: DrafterConfig, dtype="bfloat16", verifier: str | None = None) -> dict:
     """The config.json of the speculators layout; `verifier` overrides the recorded target."""
+    if c.mode == "dflash":
+        return dflash_speculators_config(c, dtype, verifier)
     kind = "peagle" if c.mode == "parallel" else "eagle3"
     flags = {"fc_norm": c.fc_norm, "norm_output": c.norm_output}
     tl = {"model_type": "qwen3" if c.qk_norm else "llama", **_llama_fields(c), **flags}
     tl.pop("rope_scaling")
     tl.pop("rope_theta")
-    arch = architecture_of(c.target_model_type)
     k = c.k_train or DEFAULT_K_TRAIN
     out = {
         "architectures": [SPECULATORS_ARCH[kind]],
@@ -105,17 +112,71 @@ def speculators_config(c: DrafterConfig, dtype="bfloat16", verifier: str | None 
         AUX_KEY: None if c.aux_layer_ids is None else list(c.aux_layer_ids),
         "speculators_config": {
             "algorithm": kind,
-            "proposal_methods": [
-                dict(proposal_type="greedy", speculative_tokens=k, accept_tolerance=0.0, verifier_accept_k=1)
-            ],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": verifier if verifier is not None else c.verifier,
-                "architectures": [arch] if arch else [],
-            },
+            **_proposal(c, k, verifier),
         },
         "dtype": dtype_name(dtype, EXPORT),
     }
     if c.mask_token_id is not None:
         out["mask_token_id"] = c.mask_token_id
     return out
+
+
+def _proposal(c: DrafterConfig, k: int, verifier: str | None) -> dict:
+    """speculators_config's proposal method (greedy, K drafts) and verifier."""
+    arch = architecture_of(c.target_model_type)
+    return {
+        "proposal_methods": [
+            dict(proposal_type="greedy", speculative_tokens=k, accept_tolerance=0.0, verifier_accept_k=1)
+        ],
+        "default_proposal_method": "greedy",
+        "verifier": {
+            "name_or_path": verifier if verifier is not None else c.verifier,
+            "architectures": [arch] if arch else [],
+        },
+    }
+
+
+def dflash_vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
+    """A DFlash head's vLLM-native (z-lab) config.json: a Qwen3 config plus block_size and
+    dflash_config (target_layer_ids = our aux ids - 1), and our ids under
+    eagle_aux_hidden_state_layer_ids, which vLLM reads first."""
+    if min(c.aux_layer_ids) < 1:
+        raise ConfigError(
+            f"export_vllm: DFlash aux layer id 0 (the embeddings) has no z-lab form (target_layer_ids = ids - 1); "
+            f"aux_layer_ids {list(c.aux_layer_ids)}"
+        )
+    return {
+        "architectures": [DFLASH_ARCH],
+        "model_type": "qwen3",
+        **_llama_fields(c),
+        "block_size": c.block_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size,
+        AUX_KEY: list(c.aux_layer_ids),
+        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids]},
+        "torch_dtype": dtype_name(dtype, EXPORT),
+        EXTRA_KEY: dict(mode=c.mode, k_train=c.k_train, target_model_type=c.target_model_type, verifier=c.verifier),
+    }
+
+
+def dflash_speculators_config(c: DrafterConfig, dtype="bfloat16", verifier: str | None = None) -> dict:
+    """A DFlash head's speculators config.json, as speculators 0.9.0's DFlashSpeculatorConfig
+    writes it (aux_hidden_state_layer_ids in our convention, block_size - 1 drafts a pass)."""
+    tl = {"model_type": "qwen3", **_llama_fields(c)}
+    tl.pop("rope_scaling")
+    tl.pop("rope_theta")
+    return {
+        "architectures": [DFLASH_SPECULATORS_ARCH],
+        "speculators_model_type": DFLASH_TYPE,
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": tl,
+        "draft_vocab_size": c.draft_vocab_size,
+        "block_size": c.block_size,
+        "target_hidden_size": c.target_hidden_size,
+        "aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "mask_token_id": c.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        "speculators_config": {"algorithm": DFLASH_TYPE, **_proposal(c, c.block_size - 1, verifier)},
+        "dtype": dtype_name(dtype, EXPORT),
+    }

@@ -36,6 +36,8 @@ from peagle_jax.head_config import (
     rope_params,
 )
 from peagle_jax.head_config_write import speculators_config, vllm_config
+from peagle_jax.inspect_dflash import check_dflash, dflash_tensor_findings, serve_depth, settled_dflash
+from peagle_jax.inspect_report import format_report
 from peagle_jax.serving import is_hub_id, resolve_verifier, serve_command, target_facts, target_findings
 
 __all__ = ["inspect_folder", "format_report", "InspectError"]
@@ -129,6 +131,7 @@ def _report(
         "architecture": facts.kind if facts.fmt == "vllm" else raw.get("architectures"),
         "speculators_model_type": facts.kind if facts.fmt == "speculators" else None,
         "mode": mode,
+        "block_size": facts.block_size,
         "num_layers": facts.sizes["num_hidden_layers"],
         "hidden_size": h,
         "target_hidden_size": facts.target_hidden_size or h,
@@ -163,6 +166,8 @@ def _serve(report: dict, facts: HeadFacts) -> str:
     largest hint); the target checked against, else a hub-id verifier."""
     hints = [x for x in facts.k_hints.values() if _is_int(x)]
     k = facts.k_train if facts.k_train is not None else max(hints, default=None)
+    if report["mode"] == "dflash":
+        k = serve_depth(facts)
     if report["target"] is not None:
         target = report["target"]["path"]
     else:
@@ -246,7 +251,7 @@ def _check_config(f: HeadFacts, raw: dict, mode: str, fnd: _Findings, own: bool)
         fnd.warn("tie_word_embeddings is true: drafter heads keep a separate lm_head [Vd, H]")
     if f.fmt == "speculators" and not own:
         _check_speculators(f, fnd)
-    return _check_aux(f, fnd)
+    return check_dflash(f, fnd) if mode == "dflash" else _check_aux(f, fnd)
 
 
 def _check_aux(f: HeadFacts, fnd: _Findings) -> bool:
@@ -315,11 +320,13 @@ def _tensor_config(f: HeadFacts, mode: str, fnd: _Findings) -> DrafterConfig | N
     v = f.sizes["vocab_size"]
     mask = f.mask_id if _is_int(f.mask_id) and 0 <= f.mask_id < v else 0
     vd = f.draft_vocab_size
+    if mode == "dflash":
+        f = settled_dflash(f)
     settled = dataclasses.replace(
         f,
         mode=mode,
-        aux_ids={},
-        mask_ids={"mask_token_id": mask} if mode == "parallel" else {},
+        aux_ids=f.aux_ids if mode == "dflash" else {},
+        mask_ids=f.mask_ids if mode == "dflash" else ({"mask_token_id": mask} if mode == "parallel" else {}),
         draft_vocab_size=min(vd, v) if _is_int(vd) else vd,
         use_aux_hidden_state=None,
         layer_flags={n: {"layer": f.flag(n)} for n in f.layer_flags},
@@ -355,6 +362,8 @@ def _check_tensors(ckpt, cfg: DrafterConfig | None, mode: str, fnd: _Findings, r
             "missing tensor 'embed_tokens.weight': vLLM would share the target's embeddings, whose "
             "mask-token row was never trained"
         )
+    elif mode == "dflash":
+        dflash_tensor_findings(keys, report["draft_vocab_size"] == report["vocab_size"], fnd)
     elif "embed_tokens.weight" not in keys:
         fnd.warn(
             "no 'embed_tokens.weight': vLLM shares the target's embeddings (fine for an EAGLE-3 head trained "
@@ -464,61 +473,10 @@ def _check_target(fnd: _Findings, report: dict, folder: Path, target_arg, verifi
     report["target_family"] = t["family"] or report["target_family"]
     fields = ("target_hidden_size", "vocab_size", "max_position_embeddings", "rope_type")
     problems, notes = target_findings(t, aux_layer_ids=aux, **{k: report[k] for k in fields})
-    if report["aux_layer_ids"] is None:
+    if report["aux_layer_ids"] is None and report["mode"] != "dflash":
         n = t["num_layers"]
         notes.insert(0, f"vLLM will use the default aux layers {[2, n // 2, n - 3]} of this {n}-layer target")
     for msg in problems:
         fnd.problem(msg)
     for msg in notes:
         fnd.note(msg)
-
-
-# ---------------------------------------------------------------------------------------
-def format_report(r: dict) -> str:
-    """The report as text (what `peagle-convert inspect` prints)."""
-    mode = {"parallel": "parallel (P-EAGLE)", "chain": "chain (EAGLE-3)"}.get(r["mode"], r["mode"])
-    fmt = r["format"] + (f" ({r['architecture']})" if isinstance(r["architecture"], str) else "")
-    if r.get("speculators_model_type"):
-        fmt += f" (speculators_model_type {r['speculators_model_type']})"
-    mask = "none" if r["mask_token_id"] is None else str(r["mask_token_id"])
-    if r["mask_token_keys"]:
-        mask += f" ({', '.join(r['mask_token_keys'])})"
-    k = ", ".join(f"{a}={b}" for a, b in r["k_hints"].items()) or "none recorded"
-    ints = [x for x in r["k_hints"].values() if _is_int(x)]
-    if ints:
-        k += f" (serve with num_speculative_tokens <= {max(ints)})"
-    lines = [
-        f"{r['path']}",
-        f"  format       {fmt}",
-        f"  mode         {mode}",
-        f"  layers       {r['num_layers']}",
-        f"  hidden       {r['hidden_size']} (target hidden {r['target_hidden_size']})",
-        f"  vocab        {r['vocab_size']} (draft {r['draft_vocab_size']})",
-        f"  mask id      {mask}",
-        f"  aux ids      {r['aux_layer_ids']} (vLLM convention: residual stream entering those target layers)",
-        f"  K hints      {k}",
-        f"  max pos      {r['max_position_embeddings']}",
-        f"  rope         {r['rope']}",
-    ]
-    if r.get("sliding_layers"):
-        lines.append(f"  window       {r['sliding_window']} tokens on layers {r['sliding_layers']}")
-    if r["files"]:
-        lines.append(
-            f"  tensors      {r['tensors']} in {len(r['files'])} file(s), {r['bytes'] / 1e6:.2f} MB, "
-            f"{r['dtype']}" + (f", layer 0 as {r['layer0_prefix']}*" if r["layer0_prefix"] else "")
-        )
-    t = r["target"]
-    lines.append(
-        f"  target       {t['path']} ({t['model_type']}, {t['num_layers']} layers, hidden {t['hidden_size']}, "
-        f"vocab {t['vocab_size']}, max pos {t['max_position_embeddings']})"
-        if t
-        else "  target       unknown"
-    )
-    if r.get("serve"):
-        lines.append(f"  serve        {r['serve']}")
-    for title, items in (("problems", r["problems"]), ("warnings", r["warnings"]), ("notes", r["notes"])):
-        if items:
-            lines.append(f"{title} ({len(items)}):")
-            lines += [f"  - {x}" for x in items]
-    lines.append(f"{len(r['problems'])} problem(s)" if r["problems"] else "OK: no problems")
-    return "\n".join(lines)

@@ -2,7 +2,8 @@
 
 `serve_command` is the one builder of the vLLM command line (the converter, the lint and the
 trainer print it): `--speculative-config '{"method": "eagle3", "model": DIR, ...}'` for both
-head formats, `parallel_drafting` for P-EAGLE heads, K capped at `SERVE_K`, and
+head formats, `parallel_drafting` for P-EAGLE heads, K capped at `SERVE_K` (DFlash heads:
+`"method": "dflash"`, K = block_size - 1), and
 `--model-impl transformers` for target families whose native vLLM model captures no aux hidden
 states. `target_facts` reads what the checks need from a target folder's config.json (any
 family, multimodal too), `target_findings` is what stops a head from serving beside that target,
@@ -61,8 +62,13 @@ def aux_capture(family: str | None) -> bool:
 def serve_command(model, mode: str, k_train=None, target_family: str | None = None, target: str = "TARGET") -> str:
     """`vllm serve TARGET --speculative-config '{...}'` for a head folder of either format: method
     eagle3 (a speculators folder given without it becomes a plain draft model, no parallel
-    drafting), K = `serve_k(k_train)`, `parallel_drafting` for a parallel (P-EAGLE) head."""
-    spec: dict[str, Any] = {"method": "eagle3", "model": str(model), "num_speculative_tokens": serve_k(k_train)}
+    drafting), K = `serve_k(k_train)`, `parallel_drafting` for a parallel (P-EAGLE) head. A DFlash
+    head (mode "dflash"): method dflash, K = `k_train` as given (its block_size - 1: one pass
+    drafts the whole block, so the SERVE_K cap does not apply)."""
+    if mode == "dflash":
+        spec: dict[str, Any] = {"method": "dflash", "model": str(model), "num_speculative_tokens": k_train}
+    else:
+        spec = {"method": "eagle3", "model": str(model), "num_speculative_tokens": serve_k(k_train)}
     if mode == "parallel":
         spec["parallel_drafting"] = True
     cmd = f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"

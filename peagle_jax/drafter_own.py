@@ -1,0 +1,101 @@
+"""Our own drafter checkpoint: `drafter.json` (format, version, dtype, the DrafterConfig) and
+an orbax `state/` folder, written to a temporary sibling and renamed into place. Every head
+family (P-EAGLE, EAGLE-3, DFlash) is saved the same way; `peagle_jax.drafter_io` re-exports
+these names and reads the other tools' formats."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from peagle_jax.config import ConfigError, DrafterConfig, read_json
+from peagle_jax.dtypes import dtype_name
+from peagle_jax.folders import atomic_folder, check_destination
+from peagle_jax.models.drafter import abstract_drafter, state_from_arrays
+
+__all__ = [
+    "OWN_CONFIG_FILE",
+    "OWN_STATE_DIR",
+    "OWN_FORMAT",
+    "OWN_VERSION",
+    "local_checkpointer",
+    "write_own",
+    "read_own",
+]
+
+OWN_CONFIG_FILE = "drafter.json"
+OWN_STATE_DIR = "state"
+OWN_FORMAT = "peagle_jax.drafter"
+OWN_VERSION = 1
+
+
+def local_checkpointer():
+    """An orbax checkpointer for this process alone: a head folder is written and read by one
+    process, also inside a multi-host run (orbax's default waits for every process)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    if jax.process_count() == 1:
+        return ocp.StandardCheckpointer()
+    me = jax.process_index()
+    opts = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me}, barrier_sync_key_prefix=f"p{me}")
+    return ocp.StandardCheckpointer(multiprocessing_options=opts)
+
+
+def write_own(path: str | os.PathLike, config: DrafterConfig, arrays: dict, dtype="float32") -> Path:
+    """Our checkpoint, written to a temporary sibling folder and renamed into place; an
+    existing drafter checkpoint (or empty folder) at `path` is replaced, anything else refused."""
+    import jax
+    from flax import nnx
+
+    dest = Path(path).absolute()
+    check_destination(dest, overwrite=True, marker=OWN_CONFIG_FILE)  # replaces only a drafter checkpoint
+    _, state = state_from_arrays(config, arrays, dtype)
+    with atomic_folder(dest) as tmp:
+        meta = {"format": OWN_FORMAT, "version": OWN_VERSION, "dtype": dtype_name(dtype), "config": config.to_dict()}
+        (tmp / OWN_CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        with local_checkpointer() as ckptr:
+            tree = nnx.to_pure_dict(state)
+            if jax.process_count() > 1:  # orbax refuses process-local jax.Arrays in a multi-host run
+                tree = jax.tree.map(np.asarray, tree)
+            ckptr.save(tmp / OWN_STATE_DIR, tree)
+            ckptr.wait_until_finished()
+    return dest
+
+
+def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
+    from flax import nnx
+
+    cfg_file = path / OWN_CONFIG_FILE
+    meta = read_json(cfg_file)
+    if meta.get("format") != OWN_FORMAT:
+        raise ConfigError(f"{cfg_file}: key 'format' is {meta.get('format')!r}, expected {OWN_FORMAT!r}")
+    if meta.get("version") != OWN_VERSION:
+        raise ConfigError(f"{cfg_file}: unsupported version {meta.get('version')!r} (this build reads {OWN_VERSION})")
+    config = DrafterConfig.from_dict(meta.get("config") or {}, f"{cfg_file} key 'config'")
+    stored = dtype_name(meta.get("dtype", "float32"))
+    state_dir = path / OWN_STATE_DIR
+    if not state_dir.is_dir():
+        raise FileNotFoundError(f"{state_dir}: missing (a drafter checkpoint holds drafter.json and state/)")
+    _, abstract = abstract_drafter(config, stored)
+    with local_checkpointer() as ckptr:
+        try:
+            restored = ckptr.restore(state_dir.absolute(), nnx.to_pure_dict(abstract))
+        except Exception as err:  # orbax raises many types; name the folder
+            raise ValueError(f"{state_dir}: cannot restore the drafter state ({err})") from None
+    arrays = {
+        tuple(int(k) if isinstance(k, str) and k.isdigit() else k for k in p): np.asarray(v)
+        for p, v in _flatten(restored)
+    }
+    return config, arrays, stored
+
+
+def _flatten(tree, prefix=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from _flatten(v, prefix + (k,))
+    else:
+        yield prefix, tree

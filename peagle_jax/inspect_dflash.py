@@ -1,0 +1,107 @@
+"""The lint's DFlash rules (`peagle_jax.inspect` calls them for a head whose mode is "dflash"):
+what vLLM's `DFlashDraftModel` needs of a head folder beyond the shared checks.
+
+- `block_size` an int >= 2 (vLLM drafts block_size - 1 tokens a pass), `sample_from_anchor` off.
+- A mask token id inside the vocabulary (the token of every mask slot).
+- Context layers: distinct non-negative ids in layer order (fc reads one target state each);
+  a vLLM-native head without `eagle_aux_hidden_state_layer_ids` relies on vLLM's
+  `dflash_config.target_layer_ids` + 1 fallback (a note).
+- embed_tokens / a full-vocabulary lm_head may be absent: vLLM shares the target's (notes). The
+  tensor table itself (every layer tensor, fc [H, n*Ht], d2t against the vocabulary) is the
+  importer's `drafter_io.check_tensors`, as for every head.
+
+`fnd`: the lint's findings (problem / warn / note methods).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from peagle_jax.head_config import HeadFacts
+from peagle_jax.head_config_dflash import (
+    EAGLE_AUX_KEY,
+    SPEC_AUX_KEY,
+    TARGET_IDS_KEY,
+    dflash_conflicts,
+    is_int_list,
+)
+
+__all__ = ["check_dflash", "dflash_tensor_findings", "settled_dflash", "serve_depth"]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def serve_depth(f: HeadFacts):
+    """num_speculative_tokens of a DFlash head: block_size - 1 (None when the block is unusable)."""
+    b = f.block_size
+    return b - 1 if _is_int(b) and b >= 2 else None
+
+
+def check_dflash(f: HeadFacts, fnd) -> bool:
+    """The DFlash config rules; True when the context-layer ids are usable (checked against the
+    target then)."""
+    d = f.dflash
+    b = f.block_size
+    if not d["block_sizes"]:
+        fnd.problem("no block_size: vLLM's DFlash proposer needs it (block_size - 1 drafts a pass)")
+    elif serve_depth(f) is None:
+        fnd.problem(f"block_size {b!r} must be an int >= 2 (the bonus token and at least one mask slot)")
+    if d["flags"].get("sample_from_anchor"):
+        fnd.problem(
+            "sample_from_anchor is true: vLLM's DFlash proposer drafts from the mask slots only "
+            "(the anchor is the bonus token)"
+        )
+    _check_mask(f, fnd)
+    return _check_context_layers(f, fnd)
+
+
+def _check_mask(f: HeadFacts, fnd) -> None:
+    v, mask = f.sizes["vocab_size"], f.mask_id
+    if mask is None:
+        key = "mask_token_id" if f.fmt == "speculators" else "dflash_config.mask_token_id"
+        fnd.problem(f"no mask token id ({key}): a DFlash head fills its blocks' mask slots with it")
+    elif len({str(x) for x in f.mask_ids.values()}) > 1:
+        return  # a conflict, reported
+    elif not _is_int(mask) or not 0 <= mask < v:
+        fnd.problem(f"mask token id {mask!r} ({', '.join(sorted(f.mask_ids))}) outside the vocabulary [0, {v})")
+
+
+def _check_context_layers(f: HeadFacts, fnd) -> bool:
+    if dflash_conflicts(f.dflash):
+        return False  # reported with the config's conflicts
+    if not f.aux_ids:
+        key = SPEC_AUX_KEY if f.fmt == "speculators" else TARGET_IDS_KEY
+        fnd.problem(f"no {key}: the target layers a DFlash head reads (fc takes one state per layer)")
+        return False
+    aux = f.aux
+    if not is_int_list(aux) or len(set(aux)) != len(aux) or aux != sorted(aux) or min(aux, default=0) < 0:
+        shown = ", ".join(f"{k} {v!r}" for k, v in f.aux_ids.items())
+        fnd.problem(f"context layers ({shown}) must be distinct non-negative layer ids in layer order")
+        return False
+    if f.fmt == "vllm" and EAGLE_AUX_KEY not in f.aux_ids:
+        fnd.note(
+            f"no {EAGLE_AUX_KEY}: vLLM reads {TARGET_IDS_KEY} + 1 = {aux} (releases without that fallback "
+            "would use the target's default EAGLE-3 layers)"
+        )
+    return True
+
+
+def dflash_tensor_findings(keys: set, full_vocab: bool, fnd) -> None:
+    """Notes on the target-shared tensors a DFlash folder leaves out (a reduced vocabulary's
+    missing lm_head is the tensor table's problem)."""
+    if "embed_tokens.weight" not in keys:
+        fnd.note("no 'embed_tokens.weight': vLLM shares the target's embeddings (DFlash trains with them frozen)")
+    if "lm_head.weight" not in keys and full_vocab:
+        fnd.note("no 'lm_head.weight': vLLM shares the target's lm_head (a full-vocabulary DFlash head)")
+
+
+def settled_dflash(f: HeadFacts) -> HeadFacts:
+    """`f` with a reported bad block size or mask id replaced by a valid one, so the tensor
+    table can still be checked (the context layers stay: they set fc's width)."""
+    v = f.sizes["vocab_size"]
+    mask = f.mask_id if _is_int(f.mask_id) and 0 <= f.mask_id < v else 0
+    block = f.block_size if serve_depth(f) is not None else 2
+    fields = {**f.dflash, "mask_ids": {"mask_token_id": mask}, "block_sizes": {"block_size": block}, "flags": {}}
+    return dataclasses.replace(f, mask_ids=fields["mask_ids"], dflash=fields)

@@ -24,7 +24,7 @@ import numpy as np
 from peagle_jax import cache as kv
 from peagle_jax import chat
 from peagle_jax import speculative as sp
-from peagle_jax.config import validate_aux_layer_ids
+from peagle_jax.config import NUM_AUX, validate_aux_layer_ids
 from peagle_jax.sharding import shard_state
 
 Prompt = Sequence[int] | str | Sequence[dict]
@@ -136,10 +136,11 @@ def as_prompt_list(prompts) -> list:
 
 
 class SpeculativeDecoder:
-    """Speculative decoding of `target` with `drafter` ("parallel" | "chain"), or plain
-    decoding ("none", drafter unused).
+    """Speculative decoding of `target` with `drafter` ("parallel" | "chain" | "dflash"), or
+    plain decoding ("none", drafter unused). `mode` None: "dflash" for a DFlash head (the only
+    mode it drafts in), else "parallel".
 
-    k: drafts per round; DepthError (a ValueError) when no call could hold one round of k drafts
+    k: drafts per round (a DFlash head: 1 <= k <= block_size - 1, the first k of its block); DepthError (a ValueError) when no call could hold one round of k drafts
     in the KV cache (`check_depth`). `deep_k`: what to do when k exceeds the depth the drafter was
     trained for ("error" or "warn"). `cache_len`: fixed KV cache length (default: sized per
     call from the prompts and max_new_tokens). `prompt_pad`: prompts are right-padded to a
@@ -156,13 +157,15 @@ class SpeculativeDecoder:
         target,
         drafter=None,
         k: int = 7,
-        mode: str = "parallel",
+        mode: str | None = None,
         *,
         deep_k: str = "error",
         cache_len: int | None = None,
         prompt_pad: int = 64,
         eos_ids: Sequence[int] | None = None,
     ):
+        if mode is None:
+            mode = "dflash" if drafter is not None and drafter.config.mode == "dflash" else "parallel"
         if mode not in sp.MODES:
             raise ValueError(f"mode must be one of {sp.MODES}, got {mode!r}")
         if deep_k not in DEEP_K:
@@ -195,8 +198,17 @@ class SpeculativeDecoder:
             )
         if dcfg.vocab_size != tcfg.vocab_size:
             raise ValueError(f"drafter vocabulary {dcfg.vocab_size} != target vocabulary {tcfg.vocab_size}")
+        dflash = dcfg.mode == "dflash"
         if dcfg.aux_layer_ids is not None:
-            validate_aux_layer_ids(dcfg.aux_layer_ids, tcfg.num_layers, "the drafter's aux_layer_ids")
+            count = None if dflash else NUM_AUX  # a DFlash head reads one context layer per head layer
+            validate_aux_layer_ids(dcfg.aux_layer_ids, tcfg.num_layers, "the drafter's aux_layer_ids", count=count)
+        if dflash != (self.mode == "dflash"):
+            raise ValueError(f"a {dcfg.mode!r} head cannot draft in mode {self.mode!r} (a DFlash head: mode 'dflash')")
+        if dflash and self.k > dcfg.block_size - 1:
+            raise ValueError(
+                f"k={self.k} exceeds what this DFlash head drafts in one pass: block_size {dcfg.block_size} "
+                f"gives at most k={dcfg.block_size - 1}"
+            )
         if self.mode == "parallel" and dcfg.mask_token_id is None:
             raise ValueError("parallel drafting needs a drafter with a mask_token_id")
         if dcfg.k_train is not None and self.k > dcfg.k_train:

@@ -6,6 +6,8 @@ drafts survive plus a bonus token, then the drafter proposes the next K drafts:
     shifted by one with their target aux states, the bonus slot, K-1 mask slots);
   - "chain" (EAGLE-3): a pass over the accepted slots, then K-1 single-token passes that
     feed the drafter's own pre-norm state back;
+  - "dflash": the accepted tokens' context K/V are written to the drafter cache, then ONE
+    pass over the block [bonus, MASK x (B-1)] reads them (`DFlashModel.draft_block`);
   - "none": K = 0, plain autoregressive decoding on the same engine (the baseline).
 Everything is static-shaped: rows that finished keep running with position -1 (no cache
 writes) and their outputs are ignored. Caches are position-indexed, so rejected slots of a
@@ -27,7 +29,7 @@ from peagle_jax import cache as kv
 from peagle_jax.models.drafter import draft_to_target
 from peagle_jax.sharding import kernels_partitioned
 
-MODES = ("parallel", "chain", "none")
+MODES = ("parallel", "chain", "dflash", "none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +182,31 @@ def draft_chain(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
     return jnp.concatenate([token[:, None], rest.T], axis=1), cache
 
 
+def draft_dflash(drafter, tokens, aux, positions, bonus_slot, k: int, cache):
+    """DFlash: the real slots' context K/V (each slot's aux state, at its position) go into the
+    cache, then one pass over the block anchored one past the bonus slot's position.
+
+    The block always runs at its full size B even when K < B - 1: its attention is
+    bidirectional, so the trailing mask rows change slots 1..K (a block of K + 1 rows is not
+    what the head was trained on), and B - 1 - K extra rows cost next to nothing beside the
+    layer weights and context keys every pass reads. Only slots 1..K reach the lm_head.
+    """
+    size = drafter.config.block_size
+    if not 1 <= k <= size - 1:
+        raise ValueError(f"k={k}: a DFlash head of block_size {size} drafts 1 to {size - 1} tokens a pass")
+    cache = drafter.write_context(cache, aux, positions)
+    bonus = jnp.take_along_axis(tokens, bonus_slot[:, None], axis=1)[:, 0]
+    last = jnp.take_along_axis(positions, bonus_slot[:, None], axis=1)[:, 0]
+    out = drafter.draft_block(bonus, jnp.where(last >= 0, last + 1, -1), cache)
+    return _draft_ids(drafter, drafter.head(out.prenorm[:, 1 : k + 1])), cache
+
+
 def draft(cfg: EngineConfig, drafter, tokens, aux, positions, bonus_slot, cache):
-    """The drafting step of `cfg.mode`: (drafts [B, K] target ids, drafter cache)."""
-    fn = draft_parallel if cfg.mode == "parallel" else draft_chain
+    """The drafting step of `cfg.mode`: (drafts [B, K] target ids, drafter cache).
+
+    tokens / aux / positions: the slots the target has just run (position -1: none), each
+    token being the one that follows its slot's position, and `bonus_slot` the newest one."""
+    fn = {"parallel": draft_parallel, "chain": draft_chain, "dflash": draft_dflash}[cfg.mode]
     return fn(drafter, tokens, aux, positions, bonus_slot, cfg.k, cache)
 
 

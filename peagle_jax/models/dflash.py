@@ -14,6 +14,12 @@ of the target's aux states alone (the engine caches them; `context_kv`). Attenti
 rule (`kernels.AttentionSpec.block`): a block sees its document's context strictly before its
 anchor p and all of its own rows, never another block.
 
+Inference (`write_context`, `draft_block`; the engine's mode "dflash"): the context K/V of
+every token the target has run live in a position-indexed cache (`peagle_jax.cache`); each
+round writes the newly accepted tokens' K/V at their positions, then one pass runs the block
+at the next position p over the cache. Entries at positions >= p (rejected drafts of earlier
+rounds) are invisible under the block rule, so no crop is needed.
+
 Parameter names follow the checkpoint keys of both DFlash formats (speculators' and z-lab /
 vLLM's), so `peagle_jax.drafter_io` maps them one line per tensor. `embed_tokens` and `lm_head`
 are the target's (frozen in training, as in speculators).
@@ -28,7 +34,7 @@ from flax import nnx
 import kernels
 from peagle_jax.config import DrafterConfig
 from peagle_jax.models.head import DrafterOutput, DraftHead, VocabMap
-from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, write_kv
 
 
 class DFlashLayer(nnx.Module):
@@ -90,6 +96,28 @@ class DFlashModel(DraftHead):
         """[B, n, block_size] token ids of blocks: each bonus token [B, n] then mask tokens."""
         masks = jnp.full((*bonus.shape, block_size - 1), self.config.mask_token_id, jnp.int32)
         return jnp.concatenate([bonus[..., None].astype(jnp.int32), masks], axis=-1)
+
+    def write_context(self, cache: tuple, aux: jax.Array, positions: jax.Array) -> tuple:
+        """`cache` (per layer (k, v) [B, S, Hkv, D], index = position) with the context K/V of the
+        rows whose aux states are `aux` [B, R, n*Ht] written at `positions` [B, R] (-1: not written)."""
+        new = self.context_kv(self.context(aux), positions)
+        return tuple((write_kv(ck, k, positions), write_kv(cv, v, positions)) for (ck, cv), (k, v) in zip(cache, new))
+
+    def draft_block(self, bonus: jax.Array, anchor: jax.Array, cache: tuple, backend: str = "auto") -> DrafterOutput:
+        """One block [bonus, MASK x (B-1)] per row at positions anchor .. anchor + B - 1 over the
+        cached context (`write_context`): rows see the cache strictly before `anchor` and their
+        own block. bonus, anchor [B] (anchor -1: an idle row, its outputs are meaningless).
+        Returns the `__call__` output over the B block rows (slot k >= 1 drafts position anchor + k)."""
+        b, s = cache[0][0].shape[:2]
+        size = self.config.block_size
+        live = anchor >= 0
+        positions = jnp.where(live[:, None], anchor[:, None] + jnp.arange(size), -1)
+        ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+        ctx_doc = jnp.where(ctx_pos < anchor[:, None], 0, -1)  # filled, accepted slots only
+        spec = kernels.AttentionSpec.block(
+            anchor[:, None], jnp.where(live, 0, -1)[:, None], ctx_pos, ctx_doc, block_size=size
+        )
+        return self(self.block_inputs(bonus, size), positions, cache, spec, backend)
 
     def __call__(self, tokens, positions, context, spec: kernels.AttentionSpec, backend: str = "dense"):
         """tokens, positions [B, Q] (block rows), `context` per layer (k, v) [B, S, Hkv, D];

@@ -1,4 +1,4 @@
-"""`python -m train`: train a P-EAGLE (or EAGLE-3) drafter head, export it for vLLM, measure it.
+"""`python -m train`: train a P-EAGLE (or EAGLE-3, or DFlash) drafter head, export it for vLLM, measure it.
 
 No arguments = the default run (Gemma-3-270M, ShareGPT). `--preset tiny` = a random tiny target
 and synthetic data, end to end in seconds. `--help` lists every field. Errors are one line and a

@@ -25,6 +25,7 @@ def validate(cfg):
         _model_data_checks,
         _optim_loop_checks,
         _eval_mesh_checks,
+        _dflash_checks,
         _path_checks,
     )
     for group in groups:
@@ -59,7 +60,8 @@ def _segments_ok(segments) -> bool:
 def _choice_checks(cfg) -> list[tuple[bool, str]]:
     m, d, o = cfg.model, cfg.data, cfg.optim
     return [
-        (m.mode in ("parallel", "chain"), f"model.mode must be parallel or chain, got {m.mode!r}"),
+        (m.mode in ("parallel", "chain", "dflash"), f"model.mode must be parallel, chain or dflash, got {m.mode!r}"),
+        (cfg.loop.dflash_loss in ("kl", "ce"), f"loop.dflash_loss must be kl or ce, got {cfg.loop.dflash_loss!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16: {m.dtype!r}"),
         (m.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype must be float32 or bfloat16"),
         (m.attention in ("auto", "kernels", "dense"), "model.attention must be auto, kernels or dense"),
@@ -78,6 +80,7 @@ def _model_data_checks(cfg) -> list[tuple[bool, str]]:
     return [
         (m.num_layers >= 1, "model.num_layers must be >= 1"),
         (m.k_train >= 1, "model.k_train must be >= 1"),
+        (m.block_size >= 2, f"model.block_size must be >= 2 (the bonus token and >= 1 draft), got {m.block_size}"),
         (m.draft_vocab >= 0, "model.draft_vocab must be >= 0"),
         (m.mask_token_id is None or m.mask_token_id >= 0, "model.mask_token_id must be >= 0"),
         (d.max_conversations >= 0, "data.max_conversations must be >= 0 (0 = all)"),
@@ -117,9 +120,28 @@ def _optim_loop_checks(cfg) -> list[tuple[bool, str]]:
         (lp.checkpoint_every >= 1 and lp.keep >= 1, "loop.checkpoint_every and loop.keep must be >= 1"),
         (lp.eval_every >= 0, "loop.eval_every must be >= 0 (0 = only at the end)"),
         (_finite32(lp.chain_decay) and lp.chain_decay > 0, "loop.chain_decay must be a finite number > 0"),
+        (_finite32(lp.dflash_gamma) and lp.dflash_gamma > 0, "loop.dflash_gamma must be a finite number > 0"),
         (_segments_ok(lp.segments), f"loop.segments must be an integer >= 1 or auto, got {lp.segments!r}"),
         (lp.max_rows_per_segment >= 1, "loop.max_rows_per_segment must be >= 1"),
         (_finite(lp.max_seconds) and lp.max_seconds >= 0, "loop.max_seconds must be a finite number >= 0 (0 = none)"),
+    ]
+
+
+def _dflash_checks(cfg) -> list[tuple[bool, str]]:
+    """What a DFlash run cannot use: COD segments, or rounds of more drafts than a block holds."""
+    m, lp, e = cfg.model, cfg.loop, cfg.eval
+    if m.mode != "dflash":
+        return []
+    drafts = m.block_size - 1
+    return [
+        (
+            lp.segments in (1, "1", "auto"),
+            f"loop.segments={lp.segments!r} splits COD rows: a DFlash step runs its blocks in one pass (use 1)",
+        ),
+        (
+            not e.enabled or max(e.ks) <= drafts,
+            f"eval.ks {list(e.ks)}: a DFlash head of model.block_size {m.block_size} drafts at most {drafts} a round",
+        ),
     ]
 
 

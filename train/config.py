@@ -38,7 +38,10 @@ class ModelConfig:
     """dtype of the step's matmuls and activations (float32 | bfloat16): bfloat16 runs the target and the head in
     bf16 on accelerators while the head's master weights (model.dtype), optimizer state and loss stay float32."""
     mode: str = "parallel"
-    """parallel = P-EAGLE (COD objective); chain = EAGLE-3 (training-time-test unroll of k_train steps)."""
+    """parallel = P-EAGLE (COD objective); chain = EAGLE-3 (training-time-test unroll of k_train steps); dflash = DFlash
+    (blocks of block_size from random anchors, docs/training.md; its embed_tokens and lm_head are always frozen)."""
+    block_size: int = 8
+    """DFlash: tokens per block, the bonus token and block_size - 1 drafts (mode dflash only)."""
     num_layers: int = 1
     """Drafter layers (each as wide as the target)."""
     k_train: int = 8
@@ -98,7 +101,7 @@ class DataConfig:
     cod_r_min: float = 0.2
     """COD floor r_min."""
     max_anchors: int | None = None
-    """Cap on COD rows per depth >= 1 per sequence."""
+    """Cap on COD rows per depth >= 1 per sequence; DFlash: anchors (blocks) per sequence (unset: 512)."""
     batch_size: int = 1
     """Sequences per step."""
     cache_features: str | None = None
@@ -158,6 +161,10 @@ class LoopConfig:
     """Average the KL within each depth, then over depths (default: one global normalisation)."""
     chain_decay: float = 1.0
     """Chain mode: weight of step j is chain_decay**j (speculators' ttt_step_loss_decay)."""
+    dflash_gamma: float = 4.0
+    """DFlash: block slot k >= 1 weighs exp(-(k - 1) / dflash_gamma) in the loss (speculators' gamma)."""
+    dflash_loss: str = "kl"
+    """DFlash loss: kl (forward KL to the target's distribution) or ce (cross-entropy on the target's top token)."""
     progress: bool = True
     """Show a progress bar."""
     segments: int | str = 1

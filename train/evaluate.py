@@ -21,8 +21,10 @@ import numpy as np
 from flax import nnx
 
 from peagle_jax.generation import SpeculativeDecoder
+from peagle_jax.models.dflash import block_rows_states
 from peagle_jax.models.drafter import cod_rows_forward
 from train import cod
+from train.blocks import BlockBatch
 from train.loss import next_rows, take_rows, teacher_logits, top_index
 from train.metrics import anchor_acceptance, clustered_mean
 
@@ -76,14 +78,27 @@ class HeldoutSet:
     right depths; the mean is over anchors whose k rows are all supervised, with a standard
     error over sequences (`train.metrics.clustered_mean`). On target-regenerated answers it is
     what the engine would accept from those positions. `features(example) -> (aux [L, 3H],
-    y [L, H])` as the trainer computes them; the target's greedy tokens are computed once."""
+    y [L, H])` as the trainer computes them; the target's greedy tokens are computed once.
 
-    def __init__(self, target, examples: list, features, *, k: int = 7, max_len: int = 256):
-        self.k = k
+    DFlash heads (`block_size` given; aux: the head's own context layers): every anchor a whose
+    tokens a+1..a+k are supervised drafts its block in one pass, slot j right when it is the
+    target's greedy token after position a + j - 1 (k at most block_size - 1)."""
+
+    def __init__(self, target, examples: list, features, *, k: int = 7, max_len: int = 256, block_size=None):
+        self.k, self.block_size = k, block_size
+        if block_size is not None and not 1 <= k < block_size:
+            raise ValueError(f"HeldoutSet: k={k} drafts do not fit a DFlash block of {block_size}")
         w = jnp.asarray(target.embedding_arrays()[1])
         softcap = target.config.final_logit_softcapping
         self.rows, self.feats, self.greedy = [], [], []
         for e in examples:
+            aux, y = features(e)
+            greedy = _greedy_at(jnp.asarray(y)[None], w, softcap)  # [1, L]: the target's token after each position
+            self.feats.append(jnp.asarray(aux)[None])
+            if block_size is not None:
+                self.rows.append(every_block(e, max_len, block_size, k))
+                self.greedy.append(greedy)
+                continue
             b = cod.make_batch(
                 [e],
                 step=0,
@@ -98,15 +113,22 @@ class HeldoutSet:
                 length_buckets=1,
                 row_granularity=512,
             )
-            aux, y = features(e)
             self.rows.append(b)
-            self.feats.append(jnp.asarray(aux)[None])
-            self.greedy.append(_greedy_next(jnp.asarray(y)[None], w, softcap))
+            self.greedy.append(next_rows(greedy))  # row t: the target at t + 1
 
     def anchor_lengths(self, drafter, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(anchors, acceptance lengths) of held-out sequence `i` under `drafter`."""
+        if (drafter.config.mode == "dflash") != (self.block_size is not None) or (
+            self.block_size is not None and drafter.config.block_size != self.block_size
+        ):
+            raise ValueError(
+                f"HeldoutSet of block_size {self.block_size}: cannot score a {drafter.config.mode} head "
+                f"(block_size {drafter.config.block_size})"
+            )
         b = self.rows[i]
         d2t = jnp.asarray(drafter.d2t)
+        if self.block_size is not None:
+            return self.block_lengths(drafter, b, self.feats[i], self.greedy[i], d2t)
         hit = _row_hits(
             self.k,
             drafter.graphdef,
@@ -121,6 +143,13 @@ class HeldoutSet:
         )
         sup = np.take_along_axis(b.sup, np.clip(b.anchor + b.depth, 0, b.sup.shape[1] - 1), axis=1)
         return anchor_acceptance(np.asarray(hit)[0], sup[0], b.anchor[0], b.depth[0], b.doc[0], self.k)
+
+    def block_lengths(self, drafter, b, aux, greedy, d2t) -> tuple[np.ndarray, np.ndarray]:
+        """(anchors, acceptance lengths) of one sequence's DFlash blocks `b` (a BlockBatch)."""
+        args = (b.tokens, aux, b.positions, b.doc, b.anchor, b.anchor_valid, greedy)
+        hit = np.asarray(_block_hits(drafter.graphdef, drafter.state, d2t, *args))[0, :, : self.k]
+        valid = b.anchor_valid[0]
+        return b.anchor[0][valid].astype(np.int64), (1 + np.cumprod(hit[valid], axis=-1).sum(-1)).astype(np.float64)
 
     def acceptance(self, drafter) -> dict:
         """{"acceptance", "se", "anchors", "sequences", "by_depth"} of `drafter`; by_depth[d]: the
@@ -137,11 +166,48 @@ class HeldoutSet:
         return {"acceptance": mean, "se": se, "anchors": int(sum(counts)), "sequences": len(counts), "by_depth": reach}
 
 
+def every_block(example, length: int, block_size: int, k: int) -> BlockBatch:
+    """One sequence's DFlash blocks for scoring: an anchor at every position a whose next k
+    tokens are supervised and whose block stays in the sequence (one anchor slot per position)."""
+    n = len(example.ids)
+    sup = np.zeros(length, bool)
+    sup[:n] = example.mask
+    ok = np.zeros(length, bool)
+    for a in range(max(0, n - block_size + 1)):
+        ok[a] = sup[a + 1 : a + k + 1].all()
+    anchors = np.flatnonzero(ok).astype(np.int32)
+    b = BlockBatch(
+        np.zeros((1, length), np.int32),
+        np.full((1, length), -1, np.int32),
+        sup[None],
+        np.full((1, length), -1, np.int32),
+        np.zeros((1, length), np.int32),
+        np.zeros((1, length), bool),
+        n,
+    )
+    b.tokens[0, :n], b.positions[0, :n], b.doc[0, :n] = example.ids, np.arange(n), 0
+    b.anchor[0, : len(anchors)], b.anchor_valid[0, : len(anchors)] = anchors, True
+    return b
+
+
 @functools.partial(jax.jit, static_argnums=(2,))
-def _greedy_next(y, w, softcap):
-    """[1, L] the target's greedy token after each position (row t: the target at t + 1), over
-    the full vocabulary (`w`: all of lm_head's rows)."""
-    return top_index(teacher_logits(next_rows(y), w, None, softcap=softcap))
+def _greedy_at(y, w, softcap):
+    """[1, L] the target's greedy token after each position (its logits there), over the full
+    vocabulary (`w`: all of lm_head's rows)."""
+    return top_index(teacher_logits(y, w, None, softcap=softcap))
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _block_hits(graphdef, state, d2t, tokens, aux, positions, doc, anchor, valid, greedy):
+    """[1, n, B - 1] whether each block's draft at slot j (as a target id) is the target's greedy
+    token after position a + j - 1."""
+    model = nnx.merge(graphdef, state)
+    bs = model.config.block_size
+    logits = block_rows_states(model, tokens, aux, positions, doc, anchor, valid, mask="kernels").logits
+    top = top_index(logits.reshape(*anchor.shape, bs, -1)[:, :, 1:])  # [1, n, B - 1]
+    drafted = top + jnp.take(d2t, top)
+    ref = jnp.clip(anchor[..., None] + jnp.arange(bs - 1), 0, tokens.shape[1] - 1)  # a + j - 1, j = 1..B-1
+    return drafted == jnp.take_along_axis(greedy, ref.reshape(1, -1), axis=1).reshape(ref.shape)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

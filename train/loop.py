@@ -81,7 +81,7 @@ def _check_resume(out: Path, cfg: C.TrainConfig) -> None:
                     f"{out} holds a run with {section}.{k}={old.get(section, {}).get(k)!r} "
                     f"(now {v!r}): use another --out, or the same settings to resume"
                 )
-    for k in ("steps", "epochs", "per_depth_loss", "chain_decay"):
+    for k in ("steps", "epochs", "per_depth_loss", "chain_decay", "dflash_gamma", "dflash_loss"):
         if old["loop"].get(k) != new["loop"][k]:
             raise TrainError(
                 f"{out} holds a run with loop.{k}={old['loop'].get(k)!r} (now {new['loop'][k]!r}): "
@@ -262,7 +262,7 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
             target = load_target(cfg, out)[1]
         summary["eval"] = measure_speed(cfg, target, export.head, log)
         summary.update(serving_advice(cfg, summary, metrics.records()))
-    k_serve = summary.get("best_k", cfg.model.k_train)
+    k_serve = summary.get("best_k", trainer.k)
     summary["serve"] = serve_command(vllm_dir, tpath, k_serve, cfg.model.mode, target.config.model_type)
     summary["wall_seconds"] = time.perf_counter() - t0
     _write_json(out / "summary.json", summary)

@@ -19,6 +19,7 @@ from train import distributed as dist
 __all__ = ["MetricsLog", "conditional_hits", "step_stats", "add_stats", "stats_record"]
 
 SUMMED = ("correct", "total", "cond", "ctot", "loss", "n")  # what `add_stats` sums over batches
+BLOCK_SUMMED = ("eal_sum", "eal_blocks")  # DFlash steps' too (`train.blocks.block_stats`)
 
 
 class MetricsLog:
@@ -109,19 +110,23 @@ def step_stats(m: dict, batch, k: int, eval_k: int, first_row: int | None = None
 
 def add_stats(a: dict | None, b: dict) -> dict:
     """The counts of two `step_stats` summed (a held-out pass over several batches)."""
-    return b if a is None else {key: a[key] + b[key] for key in SUMMED}
+    return b if a is None else {key: a[key] + b[key] for key in (*SUMMED, *BLOCK_SUMMED) if key in b}
 
 
 def stats_record(s: dict, eval_k: int) -> dict:
-    """{loss, acc, cond_acc, sim_tau} of (summed) `step_stats`; the loss is the mean over batches."""
+    """{loss, acc, cond_acc, sim_tau} of (summed) `step_stats`; the loss is the mean over batches.
+    DFlash stats add eal: speculators' expected accepted length (1 + leading right drafts per block)."""
     acc = np.where(s["total"] > 0, s["correct"] / np.maximum(s["total"], 1), 0.0)
     cacc = np.where(s["ctot"] > 0, s["cond"] / np.maximum(s["ctot"], 1), 0.0)
-    return {
+    rec = {
         "loss": s["loss"] / s["n"],
         "acc": acc.tolist(),
         "cond_acc": cacc.tolist(),
         "sim_tau": float(1.0 + cacc[:eval_k].sum()),
     }
+    if "eal_sum" in s:
+        rec["eal"] = float(s["eal_sum"] / s["eal_blocks"]) if s["eal_blocks"] else 0.0
+    return rec
 
 
 def anchor_acceptance(hit, sup, anchor, depth, doc, k: int) -> tuple[np.ndarray, np.ndarray]:

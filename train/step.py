@@ -15,7 +15,8 @@ forward KL of `train.loss.fused_draft_loss` (one global normalisation, or per de
 product runs inside the loss, chunk by chunk, over the supervised rows only); "chain" =
 EAGLE-3 training-time test: step j feeds the head's own pre-norm states of step j-1 back as
 the hidden input of rows (anchor, j) (same P-EAGLE attention rule over the rows of steps
-<= j), loss = sum_j decay**j * KL_j / count_j (speculators' per-step weights).
+<= j), loss = sum_j decay**j * KL_j / count_j (speculators' per-step weights); "dflash" =
+DFlash anchored blocks (`train.blocks.block_loss_and_metrics`).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ from flax import nnx
 
 import kernels
 from peagle_jax.dtypes import numpy_dtype
+from peagle_jax.models.dflash import DFlashModel
 from peagle_jax.models.drafter import DrafterModel, cod_rows_states, flat_state, param_key
 from peagle_jax.sharding import kernels_partitioned, role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
+from train.blocks import block_loss_and_metrics
 from train.loss import fused_draft_loss, next_rows, take_rows, teacher_logits, top_index
 from train.segments import attention_for, resolve_segments, segment_rows, segmented_loss
 
@@ -89,7 +92,8 @@ def compute_parts(parts: Parts, config, compute_dtype: str, param_dtype: str) ->
     if compute_dtype == param_dtype:
         return parts
     cd, pd = numpy_dtype(compute_dtype), numpy_dtype(param_dtype)
-    model = nnx.eval_shape(lambda: DrafterModel(config, dtype=cd, param_dtype=pd, rngs=nnx.Rngs(0)))
+    network = DFlashModel if config.mode == "dflash" else DrafterModel
+    model = nnx.eval_shape(lambda: network(config, dtype=cd, param_dtype=pd, rngs=nnx.Rngs(0)))
     return Parts(nnx.split(model)[0], parts.template)
 
 
@@ -233,18 +237,23 @@ class TrainStep:
         max_rows_per_segment: int = 8192,
         mesh=None,
         state=None,
+        aux_layer_ids=None,
+        gamma: float = 4.0,
+        loss_kind: str = "kl",
     ):
         """mesh: a (data, fsdp, tensor) Mesh (peagle_jax.sharding): the steps are jitted with explicit
         shardings (parameters and optimizer state by its rule table, batch rows over data x fsdp,
         logged scalars replicated); `state` = (params, opt_state, frozen) templates gives their
-        structures. Place the state with `place_state`; batches are this process's rows (`rows`)."""
+        structures. Place the state with `place_state`; batches are this process's rows (`rows`).
+        aux_layer_ids: the target layers the head reads (None: the target's; a DFlash head's own);
+        mode "dflash": `train.blocks` batches, slot weights exp(-(k-1)/gamma), loss_kind kl or ce."""
         self.parts, self.optimizer = parts, optimizer
         self.mesh = mesh
         self.mode, self.k = mode, k
         self.segments, self.max_rows = segments, max_rows_per_segment
         resolve_segments(segments, 1, max_rows_per_segment)  # a bad value fails here, not at the first step
         self.target_def, self.target_state = target.graphdef, target.state
-        self.aux_ids = tuple(target.aux_layer_ids)
+        self.aux_ids = tuple(target.aux_layer_ids if aux_layer_ids is None else aux_layer_ids)
         self.head_w = head_w
         sh = None
         if mesh is not None:
@@ -255,6 +264,9 @@ class TrainStep:
         softcap = target.config.final_logit_softcapping
         kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=chain_decay, softcap=softcap, attention=attention)
         lossf = functools.partial(loss_and_metrics, parts, **kw)
+        if mode == "dflash":
+            block_kw = dict(gamma=gamma, loss_kind=loss_kind, softcap=softcap, attention=attention)
+            lossf = functools.partial(block_loss_and_metrics, parts, **block_kw)
         seglossf = functools.partial(segmented_loss, parts, **kw)  # batches with "seg_rows" (see partition)
         aux_ids = self.aux_ids
         opt = optimizer
@@ -374,7 +386,7 @@ class TrainStep:
     def partition(self, batch: dict) -> dict:
         """The batch with its segments' rows ("seg_rows", host numpy) when it is split into
         more than one segment (train.segments); unchanged otherwise."""
-        if "seg_rows" in batch:
+        if "seg_rows" in batch or self.mode == "dflash":  # DFlash blocks run in one pass
             return batch
         length, rows = np.shape(batch["tokens"])[1], np.shape(batch["anchor"])[1]
         s = resolve_segments(self.segments, rows, self.max_rows)

@@ -8,8 +8,11 @@ held-out evaluation and checkpoint save / restore. `fit` runs the steps left and
 caller adds (a test's kill switch) are hooks.
 
 Determinism: the batches are a pure function of (data seed, step) (`train.data.batch_examples`,
-COD rows seeded per step and row), so a run restored at step s continues with exactly the
-batches the uninterrupted run would have seen.
+COD rows or DFlash anchors seeded per step and row), so a run restored at step s continues with
+exactly the batches the uninterrupted run would have seen.
+
+Mode "dflash": batches of anchored blocks (`train.blocks`), the head's own context layers as
+the target features, embed_tokens and lm_head always frozen, k = block_size - 1 drafts.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from train import cod
 from train import config as C
 from train import data as D
 from train import distributed as dist
+from train.blocks import block_arrays, block_stats, make_block_batch
 from train.checkpoint import Checkpoints
 from train.metrics import add_stats, stats_record, step_stats
 from train.optim import learning_rate, make_optimizer
 from train.step import TrainStep, batch_arrays, compute_parts, split_params
 
-__all__ = ["Trainer", "Hook", "TimeBudget", "TrainError", "total_steps"]
+__all__ = ["Trainer", "Hook", "TimeBudget", "TrainError", "total_steps", "head_flags"]
 
 HELDOUT_STEP = 10**9  # the COD seed offset of held-out batches: the same rows at every evaluation
 
@@ -49,6 +53,19 @@ def check_target(cfg: C.TrainConfig, target, where) -> None:
         raise TrainError(f"model.mask_token_id={mc.mask_token_id} is outside the target's vocabulary [0, {v})")
     if target.config.num_layers < 4:
         raise TrainError(f"{where}: a target of {target.config.num_layers} layers has no 3 distinct aux layers")
+
+
+def head_flags(mc: C.ModelConfig) -> dict:
+    """`new_drafter`'s layer flags of model: P-EAGLE / EAGLE-3 input norms, or a DFlash block
+    (Qwen3 layers, none of those norms: `new_drafter` sets them)."""
+    if mc.mode == "dflash":
+        return {"block_size": mc.block_size}
+    return {
+        "fc_norm": mc.fc_norm,
+        "norm_before_fc": mc.norm_before_fc,
+        "qk_norm": mc.qk_norm,
+        "norm_before_residual": mc.norm_before_residual,
+    }
 
 
 class Hook:
@@ -92,7 +109,9 @@ class Trainer:
         check_target(cfg, target, getattr(target, "path", "the target"))
         self.cfg, self.steps, self.step = cfg, steps, 0
         self.stop_requested = False  # a hook sets it (`request_stop`): fit ends after this step
-        self.k, self.eval_k = mc.k_train, min(7, mc.k_train)
+        self.dflash = mc.mode == "dflash"
+        self.k = mc.block_size - 1 if self.dflash else mc.k_train  # drafts a round
+        self.eval_k = min(7, self.k)
         v = target.config.vocab_size
         vd = mc.draft_vocab if 0 < mc.draft_vocab < v else None
         self.drafter = pj.new_drafter(
@@ -105,14 +124,13 @@ class Trainer:
             k_train=mc.k_train,
             token_counts=token_counts if vd else None,
             dtype=mc.dtype,
-            fc_norm=mc.fc_norm,
-            norm_before_fc=mc.norm_before_fc,
-            qk_norm=mc.qk_norm,
-            norm_before_residual=mc.norm_before_residual,
+            **head_flags(mc),
         )
         # the teacher: the target's lm_head rows of the draft vocabulary, gathered once
         head_w = jax.numpy.asarray(target.embedding_arrays()[1][draft_vocab_ids(self.drafter.d2t)], self.drafter.dtype)
-        parts, params, frozen = split_params(self.drafter, mc.freeze_embed, mc.freeze_lm_head)
+        # DFlash trains neither embed_tokens nor lm_head (speculators: the verifier's)
+        freeze_embed, freeze_head = mc.freeze_embed or self.dflash, mc.freeze_lm_head or self.dflash
+        parts, params, frozen = split_params(self.drafter, freeze_embed, freeze_head)
         parts = compute_parts(parts, self.drafter.config, mc.compute_dtype, mc.dtype)
         if mc.norm_from_target:
             tnorm = np.asarray(target.state["norm"]["weight"][...], np.float32) + target.config.norm_offset
@@ -134,6 +152,9 @@ class Trainer:
             max_rows_per_segment=lc.max_rows_per_segment,
             mesh=mesh,
             state=(params, opt_state, frozen),
+            aux_layer_ids=self.drafter.config.aux_layer_ids,
+            gamma=lc.dflash_gamma,
+            loss_kind=lc.dflash_loss,
         )
         self.params, self.opt_state, self.frozen = self.stepper.place_state(params, opt_state, frozen)
 
@@ -162,29 +183,59 @@ class Trainer:
             length=length,
         )
 
+    def batch(self, examples: list, step: int, first_row: int = 0, length: int | None = None):
+        """This run's batch of `examples` at `step`: COD rows (`cod_batch`), or DFlash blocks
+        (`train.blocks.make_block_batch`: anchors seeded per (data seed, step, row) alike)."""
+        if not self.dflash:
+            return self.cod_batch(examples, step, first_row, length)
+        dc = self.cfg.data
+        if length is None:
+            length = cod.bucket_for(max(len(e.ids) for e in examples), dc.max_len, dc.length_buckets)
+        bs = self.cfg.model.block_size
+        return make_block_batch(
+            examples,
+            step=step,
+            seed=dc.seed,
+            length=length,
+            block_size=bs,
+            max_anchors=dc.max_anchors,
+            first_row=first_row,
+        )
+
+    def batch_inputs(self, batch) -> dict:
+        """The step's input arrays of `batch`."""
+        return block_arrays(batch) if self.dflash else batch_arrays(batch)
+
+    def batch_stats(self, m: dict, batch, first_row: int | None = None) -> dict:
+        """Host stats (`train.metrics.step_stats` keys) of the step's outputs `m` on `batch`."""
+        if self.dflash:
+            return block_stats(m, batch, first_row=first_row)
+        return step_stats(m, batch, self.k, self.eval_k, first_row=first_row)
+
     def update(self, arrays: dict, feats=None) -> dict:
         """One optimizer step on batch arrays (`train.step.batch_arrays`): the step's device metrics."""
         self.params, self.opt_state, m = self.stepper(self.params, self.opt_state, self.frozen, arrays, feats)
         self.step += 1
         return m
 
-    def train_step(self, batch: cod.Batch, feats=None, first_row: int = 0) -> dict:
+    def train_step(self, batch, feats=None, first_row: int = 0) -> dict:
         """One optimizer step on this process's rows `batch` (target features `feats`, or the
         target run inside the step): its record (loss, accuracies, grad_norm, learning rate)."""
-        m = self.update(batch_arrays(batch), feats)
-        rec = stats_record(step_stats(m, batch, self.k, self.eval_k, first_row=first_row), self.eval_k)
+        m = self.update(self.batch_inputs(batch), feats)
+        rec = stats_record(self.batch_stats(m, batch, first_row), self.eval_k)
         norms = {"grad_norm": float(m["grad_norm"]), "param_norm": float(m["param_norm"])}
         return {"step": self.step, **rec, **norms, "lr": self.learning_rate}
 
     def evaluate(self, examples: list) -> dict | None:
-        """{eval_loss, eval_acc, eval_cond_acc, eval_sim_tau} over `examples` (fixed COD rows)."""
+        """{eval_loss, eval_acc, eval_cond_acc, eval_sim_tau} (DFlash: and eval_eal) over `examples`
+        (fixed COD rows or anchors)."""
         if not examples:
             return None
         bs, sums = self.cfg.data.batch_size, None
         for i in range(0, len(examples), bs):
-            b = self.cod_batch(examples[i : i + bs], step=HELDOUT_STEP + i)
-            m = self.stepper.evaluate(self.params, self.frozen, batch_arrays(b))
-            sums = add_stats(sums, step_stats(m, b, self.k, self.eval_k))
+            b = self.batch(examples[i : i + bs], step=HELDOUT_STEP + i)
+            m = self.stepper.evaluate(self.params, self.frozen, self.batch_inputs(b))
+            sums = add_stats(sums, self.batch_stats(m, b))
         return {"step": self.step, **{f"eval_{k}": v for k, v in stats_record(sums, self.eval_k).items()}}
 
     def fit(self, train: list, hooks: Sequence[Hook] = (), features=None) -> None:
@@ -200,8 +251,10 @@ class Trainer:
                     break
                 exs = D.batch_examples(train, step, dc.batch_size, dc.seed)  # the global batch
                 length = cod.bucket_for(max(len(e.ids) for e in exs), dc.max_len, dc.length_buckets)
-                b = self.cod_batch(exs[lo:hi], step, first_row=lo, length=length)
-                if dist.multi_process():  # one row bucket for all: the largest (only the row count travels)
+                b = self.batch(exs[lo:hi], step, first_row=lo, length=length)
+                if (
+                    dist.multi_process() and not self.dflash
+                ):  # DFlash: one anchor count per length  # one row bucket for all: the largest (only the row count travels)
                     b = cod.pad_rows(b, dist.max_over_processes(b.anchor.shape[1]))
                 f = features.get(exs, b) if features is not None else None
                 rec = self.train_step(b, f, first_row=lo)

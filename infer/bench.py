@@ -89,7 +89,7 @@ def round_breakdown(dec: SpeculativeDecoder, prompts, reps: int = 5) -> dict:
         )
     }
     if dec.mode != "none":
-        aux = jnp.zeros((b, k + 1, 3 * dec.target.config.hidden_size), state.target_cache[0][0].dtype)
+        aux = jnp.zeros((b, k + 1, dec.drafter.config.fc_in), state.target_cache[0][0].dtype)  # the aux states it reads
         n = jnp.full((b,), k // 2, jnp.int32)
         draft_pos = jnp.where(slots <= n[:, None], positions, -1)
         result["drafter_ms_per_round"] = _median_ms(

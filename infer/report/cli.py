@@ -1,4 +1,4 @@
-"""`python -m infer.report`: P-EAGLE vs EAGLE-3 vs plain decoding, from one resumable command.
+"""`python -m infer.report`: P-EAGLE vs EAGLE-3 vs DFlash vs plain decoding, from one resumable command.
 
 Stages (each records itself in WORK/stages/NAME.json, written atomically when it finishes; a
 rerun with the same settings reuses every finished stage, and an interrupted training resumes
@@ -6,11 +6,14 @@ from the trainer's last checkpoint):
   data            `python -m train ... --data.prepare_only true`: prepares the
                   target, loads and checks the data, and with --regenerate replaces the answers
                   by the target's own greedy continuations (cached in WORK/data/regenerated.jsonl)
-  train-parallel  `python -m train --model.mode parallel` (P-EAGLE) and
-  train-chain     `--model.mode chain` (EAGLE-3): same data, same steps (= token budget), same
-                  head size; the regenerated answers are copied in, so nothing is regenerated twice
-  eval-SET-bB     plain decoding and both heads at every K on the SET prompts at batch B,
-                  interleaved batch by batch (`infer.bench.compare`, the code of `python -m infer bench`)
+  train-parallel  `python -m train --model.mode parallel` (P-EAGLE),
+  train-chain     `--model.mode chain` (EAGLE-3) and
+  train-dflash    `--model.mode dflash --model.block_size MAX_K+1` (DFlash: one block drafts every K):
+                  same data, same steps (= token budget), same head size; the regenerated answers
+                  are copied in, so nothing is regenerated twice
+  eval-SET-bB     plain decoding and every head at every K on the SET prompts at batch B,
+                  interleaved batch by batch (`infer.bench.compare`, the code of `python -m infer bench`);
+                  a record made with other heads (a two-head run's) is redone
 Then OUT/results.json, OUT/*.png and OUT.md (the report beside the folder) are written from the
 stage records; OUT is replaced whole, so it is never half-written.
 
@@ -89,7 +92,7 @@ def parser() -> OneLineParser:
         "--budget",
         type=positive(float),
         default=1.0,
-        help="scales the training steps of both heads (steps: 200 x budget; --smoke 4 x budget)",
+        help="scales the training steps of every head (steps: 200 x budget; --smoke 4 x budget)",
     )
     p.add_argument(
         "--regenerate",

@@ -1,4 +1,4 @@
-"""The evaluation stages (plain decoding and both heads at every K, `infer.bench.compare`) and
+"""The evaluation stages (plain decoding and every head at every K, `infer.bench.compare`) and
 the results dict that the report and its plots are written from."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import shlex
 import time
 from pathlib import Path
 
-from infer.report.common import HEADS, PROMPT_SETS, log
+from infer.report.common import HEADS, PROMPT_SETS, dflash_block_size, log
 from infer.report.stages import Stages, eval_settings
 
 # what each row of results.json keeps of a run of `infer.bench.compare`
@@ -28,6 +28,12 @@ ROW_KEYS = (
 )
 
 
+def eval_derived() -> dict:
+    """What an evaluation compares beyond the flags: a record of other heads (a two-head run's,
+    before DFlash) is stale and redone, never shown as if it measured these."""
+    return {"heads": list(HEADS.values())}
+
+
 def stage_eval(args, stages: Stages, data: dict, trained: dict) -> list[dict]:
     """One stage per (prompt set, batch size); the target and heads load once, when needed,
     and every set is padded to one shape (each decoder compiles once per batch size)."""
@@ -36,7 +42,7 @@ def stage_eval(args, stages: Stages, data: dict, trained: dict) -> list[dict]:
     for batch in args.batches:
         for prompt_set in PROMPT_SETS:
             name = f"eval-{prompt_set}-b{batch}"
-            record = stages.reuse(name, eval_settings(args))
+            record = stages.reuse(name, eval_settings(args), eval_derived())
             if record is None:
                 loaded = loaded or load_models(args, data, trained)
                 record = evaluate(args, stages, name, prompt_set, batch, data["target"], *loaded)
@@ -50,9 +56,8 @@ def load_models(args, data: dict, trained: dict):
     from infer.bench import Head, shape_for, source_prompt_ids
 
     target = pj.load_target(data["target"])
-    heads = [
-        Head(HEADS[mode], pj.load_drafter(trained[mode]["summary"]["head_dir"]), mode) for mode in ("parallel", "chain")
-    ]
+    # the engine's mode is the trainer's: parallel, chain or dflash
+    heads = [Head(HEADS[mode], pj.load_drafter(trained[mode]["summary"]["head_dir"]), mode) for mode in HEADS]
     prompts = {s: source_prompt_ids(target, s, args.prompts_per_set, args.max_prompt_tokens) for s in PROMPT_SETS}
     shape = shape_for([p for ids in prompts.values() for p in ids], args.max_new_tokens, max(args.ks))
     return target, heads, prompts, shape
@@ -60,7 +65,7 @@ def load_models(args, data: dict, trained: dict):
 
 def bench_command(args, target_dir: str, heads, prompt_set: str, batch: int) -> str:
     """The `python -m infer bench` line of the same measurement (except that the report pads
-    both prompt sets to one shape)."""
+    both prompt sets to one shape); bench takes each head's mode from its config."""
     drafters = " ".join(f"--drafter {h.drafter.path}" for h in heads)
     return (
         f"python -m infer bench --target {target_dir} {drafters} --k {','.join(map(str, args.ks))} "
@@ -83,7 +88,7 @@ def evaluate(
     result.pop("per_batch")
     return stages.finish(
         name,
-        eval_settings(args),
+        {**eval_settings(args), **eval_derived()},
         time.perf_counter() - t0,
         commands=[bench_command(args, target_dir, heads, prompt_set, batch)],
         result=result,
@@ -151,6 +156,8 @@ def settings_of(args) -> dict:
         "ks": args.ks,
         "batches": args.batches,
         "temperature": 0.0,
+        "heads": list(HEADS.values()),
+        "dflash_block_size": dflash_block_size(args.ks),
     }
 
 
@@ -158,7 +165,7 @@ def stage_times(data: dict, trained: dict, evals: list[dict]) -> dict:
     """Each stage's wall time, commands and load average, in the order they ran."""
     stages = {
         "data": data,
-        **{f"train-{m}": trained[m] for m in HEADS},
+        **{f"train-{m}": record for m, record in trained.items()},
         **{f"eval-{e['dataset']}-b{e['batch']}": e for e in evals},
     }
     return {
@@ -178,7 +185,7 @@ def collect(args, data: dict, trained: dict, evals: list[dict], wall: float) -> 
         "stages": stage_times(data, trained, evals),
         "wall_seconds_this_run": wall,
         "data": data["data"],
-        "training": {HEADS[m]: trained[m]["summary"] for m in HEADS},
+        "training": {HEADS[m]: record["summary"] for m, record in trained.items()},
         "baseline": baseline,
         "results": rows,
         "greedy": {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from infer.report.common import PROMPT_SETS
 
-STYLE = {"P-EAGLE": "tab:blue", "EAGLE-3": "tab:orange"}
+STYLE = {"P-EAGLE": "tab:blue", "EAGLE-3": "tab:orange", "DFlash": "tab:green"}  # a head without rows: no line
 CURVES = (
     ("acceptance_length", "acceptance length vs K (greedy)", "acceptance_length_vs_k.png"),
     ("speedup", "speedup over plain decoding vs K (measured; dotted: cost model)", "speedup_vs_k.png"),
@@ -31,7 +31,7 @@ def save(plt, fig, title: str, path: Path) -> None:
 
 
 def curve_axis(ax, results: dict, dataset: str, key: str) -> None:
-    """Both heads' `key` against K on one prompt set, a line per batch size."""
+    """Every head's `key` against K on one prompt set, a line per batch size."""
     batches = results["settings"]["batches"]
     for head, color in STYLE.items():
         for batch, line in zip(batches, ("-", "--", "-.", ":")):

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from infer.report.common import log
+from infer.report.common import dflash_block_size, log
 from peagle_jax.folders import atomic_write_text
 
 
@@ -25,9 +25,10 @@ class Stages:
     def path(self, name: str) -> Path:
         return self.folder / f"{name}.json"
 
-    def reuse(self, name: str, settings: dict) -> dict | None:
-        """The record of a finished stage (None: not finished). Made with other settings: an
-        error naming the flag."""
+    def reuse(self, name: str, settings: dict, derived: dict | None = None) -> dict | None:
+        """The record of a finished stage (None: not finished, or stale). Made with other
+        `settings` (flags): an error naming the flag. Made with other `derived` settings (what the
+        report chooses itself, such as the heads compared): stale, so the stage is redone."""
         path = self.path(name)
         if not path.exists():
             return None
@@ -39,6 +40,11 @@ class Stages:
                     f"{flag}: stage {name} in {path.parent.parent} was made with {flag} {old} (now {value}): "
                     f"use another --work, or delete {path} to redo the stage"
                 )
+        for key, value in (derived or {}).items():
+            old = record["settings"].get(key)
+            if old != value:
+                log(f"stage {name}: made with {key} {old} (now {value}): redoing it")
+                return None
         log(f"stage {name}: reused ({path})")
         return record
 
@@ -52,6 +58,8 @@ class Stages:
 def trainer_command(args, out: Path, mode: str, steps: int, target: str) -> list[str]:
     cmd = [sys.executable, "-m", "train", *args.train_flags]
     cmd += ["--out", str(out), "--model.target", target, "--model.mode", mode, "--loop.steps", str(steps)]
+    if mode == "dflash":  # one block drafts every K evaluated
+        cmd += ["--model.block_size", str(dflash_block_size(args.ks))]
     cmd += ["--data.batch_size", str(args.batch_size), "--data.heldout", str(args.heldout)]
     if args.regenerate:  # the conversations the steps use (+ held out), each regenerated once
         conversations = round(1.1 * args.steps * args.batch_size) + args.heldout
@@ -106,8 +114,18 @@ def stage_data(args, stages: Stages, work: Path) -> dict:
     )
 
 
-def train_settings(args) -> dict:
-    return {"--smoke": args.smoke, "--target": args.target, "--regenerate": args.regenerate, "--budget": args.budget}
+def train_settings(args, mode: str | None = None) -> dict:
+    """The flags a head's training depends on; DFlash's block size comes from --ks (max K + 1).
+    P-EAGLE and EAGLE-3 keep the settings of a two-head run, so its trained heads are reused."""
+    settings = {
+        "--smoke": args.smoke,
+        "--target": args.target,
+        "--regenerate": args.regenerate,
+        "--budget": args.budget,
+    }
+    if mode == "dflash":
+        settings["--ks"] = args.ks
+    return settings
 
 
 def eval_settings(args) -> dict:
@@ -122,7 +140,8 @@ def eval_settings(args) -> dict:
 
 def stage_train(args, stages: Stages, work: Path, data: dict, mode: str) -> dict:
     name = f"train-{mode}"
-    record = stages.reuse(name, train_settings(args))
+    settings = train_settings(args, mode)
+    record = stages.reuse(name, settings)
     if record is not None:
         return record
     t0 = time.perf_counter()
@@ -135,4 +154,4 @@ def stage_train(args, stages: Stages, work: Path, data: dict, mode: str) -> dict
             os.replace(tmp, out / "regenerated.jsonl")
     cmd = trainer_command(args, out, mode, args.steps, data["target"])
     summary = run_trainer(cmd, work / "logs" / f"{name}.log")
-    return stages.finish(name, train_settings(args), time.perf_counter() - t0, commands=[shown(cmd)], summary=summary)
+    return stages.finish(name, settings, time.perf_counter() - t0, commands=[shown(cmd)], summary=summary)

@@ -12,7 +12,9 @@ BLOCKS = dict(block_q=32, block_k=16)
 
 
 @pytest.mark.parametrize(
-    "case", [kt.CASE_COD_F32, kt.CASE_COD_BF16, kt.CASE_COD_GROUPED, kt.CASE_CAUSAL, kt.CASE_BLOCK], ids=lambda c: c.name
+    "case",
+    [kt.CASE_COD_F32, kt.CASE_COD_BF16, kt.CASE_COD_GROUPED, kt.CASE_CAUSAL, kt.CASE_BLOCK],
+    ids=lambda c: c.name,
 )
 def test_xla_matches_reference(case):
     kt.assert_backend_matches_reference(case, "xla", **BLOCKS)

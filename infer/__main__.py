@@ -66,8 +66,8 @@ def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
     p.add_argument(
         "--mode",
         default=None,
-        choices=["parallel", "chain", "none"],
-        help="parallel = P-EAGLE (one drafter pass), chain = EAGLE-3, none = plain decoding "
+        choices=["parallel", "chain", "dflash", "none"],
+        help="parallel = P-EAGLE (one drafter pass), chain = EAGLE-3, dflash = DFlash, none = plain decoding "
         "(default: each head's own mode)",
     )
     p.add_argument(

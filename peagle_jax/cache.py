@@ -4,7 +4,9 @@ A cache is a tuple over layers of (k, v), each [batch, length, num_kv_heads, hea
 by position (a token at position p writes slot p; position -1 writes nothing). Targets and
 drafters both describe their caches by a config with `num_layers`, `num_kv_heads`, `head_dim`.
 Inside jit, caches are allocated from a `spec` (static, hashable), so a compiled function
-owns its buffers.
+owns its buffers. A DFlash head's cache has the same shape: per layer the context K/V of the
+tokens the target has run (its blocks are never written), so it needs no more slots than the
+target's.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ from flax import nnx
 
 import kernels
 from peagle_jax.config import DrafterConfig
-from peagle_jax.models.head import DrafterOutput, DraftHead, VocabMap
-from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, write_kv
+from peagle_jax.models.head import DrafterOutput, DraftHead, VocabMap, layer_attention
+from peagle_jax.models.layers import MLP, Linear, RMSNorm, write_kv
 
 
 class DFlashLayer(nnx.Module):
@@ -43,21 +43,7 @@ class DFlashLayer(nnx.Module):
     def __init__(self, cfg: DrafterConfig, index: int, *, dtype, param_dtype, rngs: nnx.Rngs):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.self_attn = Attention(
-            h,
-            h,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            rope=cfg.rope,
-            scale=cfg.attn_scale,
-            bias=cfg.attention_bias,
-            out_bias=cfg.attention_bias,
-            qk_norm_eps=cfg.rms_norm_eps,
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
-        )
+        self.self_attn = layer_attention(cfg, index, h, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 

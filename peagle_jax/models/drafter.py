@@ -44,10 +44,11 @@ from peagle_jax.models.head import (  # noqa: F401 - the vocabulary helpers are 
     d2t_from_ids,
     draft_to_target,
     draft_vocab_ids,
+    layer_attention,
     select_draft_vocab,
     t2d_from_d2t,
 )
-from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, pick_rows
+from peagle_jax.models.layers import MLP, Linear, RMSNorm, pick_rows
 
 
 # ---------------------------------------------------------------------------------------
@@ -69,21 +70,8 @@ class DrafterLayer(nnx.Module):
         self.input_layernorm = norm()
         if fused:
             self.hidden_norm = norm()
-        self.self_attn = Attention(
-            2 * h if fused else h,
-            h,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            rope=cfg.rope,
-            scale=cfg.attn_scale,
-            bias=cfg.attention_bias,
-            out_bias=cfg.attention_bias,
-            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
-            window=cfg.window(index),
-            dtype=dtype,
-            param_dtype=param_dtype,
-            rngs=rngs,
+        self.self_attn = layer_attention(
+            cfg, index, 2 * h if fused else h, dtype=dtype, param_dtype=param_dtype, rngs=rngs
         )
         self.post_attention_layernorm = norm()
         self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs)

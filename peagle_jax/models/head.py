@@ -12,6 +12,29 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from peagle_jax.models.layers import Attention
+
+
+def layer_attention(cfg, index: int, in_features: int, *, dtype, param_dtype, rngs: nnx.Rngs) -> Attention:
+    """The attention of drafter layer `index` (any head family): the config's heads, RoPE,
+    bias, q/k norms and that layer's window, reading `in_features` (EAGLE-3's fused layer: 2H)."""
+    return Attention(
+        in_features,
+        cfg.hidden_size,
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        rope=cfg.rope,
+        scale=cfg.attn_scale,
+        bias=cfg.attention_bias,
+        out_bias=cfg.attention_bias,
+        qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+        window=cfg.window(index),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+    )
+
 
 class VocabMap(nnx.Variable):
     """A non-trainable int variable (the draft -> target id offsets `d2t`)."""

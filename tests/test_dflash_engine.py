@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from sampling_law import chi2_pvalue, sample_counts
 
 import peagle_jax as pj
 from peagle_jax import speculative as sp
@@ -240,26 +241,6 @@ def test_the_cached_round_equals_the_block_over_the_whole_context(targets):
 # ---------------------------------------------------------------- sampling, passes, bad input
 
 
-def _sample_counts(dec, prompt, n_rows, seeds, new):
-    counts = {}
-    for seed in seeds:
-        res = dec.generate([prompt] * n_rows, max_new_tokens=new, temperature=1.0, top_p=0.9, seed=seed)
-        for row in res.tokens:
-            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-    return counts
-
-
-def _chi2_pvalue(a: dict, b: dict) -> float:
-    from scipy.stats import chi2_contingency
-
-    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
-    big = [k for k in keys if a.get(k, 0) + b.get(k, 0) >= 10]  # pool the sparse tail
-    table = [[a.get(k, 0) for k in big], [b.get(k, 0) for k in big]]
-    table[0].append(sum(v for k, v in a.items() if k not in big))
-    table[1].append(sum(v for k, v in b.items() if k not in big))
-    return chi2_contingency(np.asarray(table)).pvalue
-
-
 def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypatch):
     """Joint law of the first three sampled tokens (temperature 1, top-p 0.9) with a head that is
     often right: equal to plain sampling, and resampling from p instead of the residual after a
@@ -269,9 +250,9 @@ def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypat
     plain = SpeculativeDecoder(target, mode="none")
     spec = SpeculativeDecoder(target, _copy_back_head(target), k=2)
     new, rows, seeds = 3, 256, range(4)
-    base = _sample_counts(plain, prompt, rows, seeds, new)
-    good = _sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
-    assert _chi2_pvalue(base, good) > 1e-3
+    base = sample_counts(plain, prompt, rows, seeds, new)
+    good = sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
+    assert chi2_pvalue(base, good) > 1e-3
     right = sp.accept_rejection
 
     def wrong(probs, drafts, draft_probs, key):
@@ -281,8 +262,8 @@ def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypat
 
     monkeypatch.setattr(sp, "accept_rejection", wrong)
     jax.clear_caches()
-    bad = _sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
-    assert _chi2_pvalue(base, bad) < 1e-6
+    bad = sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
+    assert chi2_pvalue(base, bad) < 1e-6
 
 
 def test_a_round_runs_one_drafter_forward(targets, monkeypatch):

@@ -6,6 +6,7 @@ import hf_tiny
 import numpy as np
 import pytest
 import torch
+from sampling_law import chi2_pvalue, sample_counts
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
@@ -196,27 +197,6 @@ def test_propose_equals_the_dense_slot_formula(models):
     assert got == want
 
 
-def _sample_counts(dec, prompt, n_rows, seeds, new):
-    """Joint counts of the first `new` sampled tokens over n_rows x len(seeds) draws."""
-    counts = {}
-    for seed in seeds:
-        res = dec.generate([prompt] * n_rows, max_new_tokens=new, temperature=1.0, top_p=0.9, seed=seed)
-        for row in res.tokens:
-            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-    return counts
-
-
-def _chi2_pvalue(a: dict, b: dict) -> float:
-    from scipy.stats import chi2_contingency
-
-    keys = sorted(set(a) | set(b), key=lambda k: -(a.get(k, 0) + b.get(k, 0)))
-    big = [k for k in keys if a.get(k, 0) + b.get(k, 0) >= 10]  # pool the sparse tail
-    table = [[a.get(k, 0) for k in big], [b.get(k, 0) for k in big]]
-    table[0].append(sum(v for k, v in a.items() if k not in big))
-    table[1].append(sum(v for k, v in b.items() if k not in big))
-    return chi2_contingency(np.asarray(table)).pvalue
-
-
 def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypatch):
     """Joint law of the first two sampled tokens (temperature 1, top-p 0.9): speculative
     sampling with a drafter that is often right equals plain sampling, and resampling from p
@@ -228,9 +208,9 @@ def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypat
     plain = SpeculativeDecoder(target, mode="none")
     spec = SpeculativeDecoder(target, _skip_ahead_drafter(target, "parallel"), k=2, mode="parallel")
     new, rows, seeds = 2, 256, range(4)
-    base = _sample_counts(plain, prompt, rows, seeds, new)
-    good = _sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
-    assert _chi2_pvalue(base, good) > 1e-3
+    base = sample_counts(plain, prompt, rows, seeds, new)
+    good = sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
+    assert chi2_pvalue(base, good) > 1e-3
     right = sp.accept_rejection
 
     def wrong(probs, drafts, draft_probs, key):  # resamples from p instead of the residual
@@ -240,8 +220,8 @@ def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypat
 
     monkeypatch.setattr(sp, "accept_rejection", wrong)
     jax.clear_caches()
-    bad = _sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
-    assert _chi2_pvalue(base, bad) < 1e-6
+    bad = sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
+    assert chi2_pvalue(base, bad) < 1e-6
 
 
 def test_bad_input_is_refused_clearly(models):

@@ -1,5 +1,5 @@
 """DFlash training (`--model.mode dflash`, train/blocks.py): the loss equals speculators 0.9.0's
-`DFlashDraftModel.forward` (eager KL / CE, pinned anchors, the same verifier states, norm and
+`DFlashDraftModel.forward` (eager KL, CE and their weighted mix, pinned anchors, the same verifier states, norm and
 lm_head), the anchors follow speculators' rule per document and are seeded per (seed, step), and
 `python -m train --preset tiny --model.mode dflash` learns, exports, loads, is scored by the
 held-out acceptance and resumes exactly."""
@@ -38,7 +38,7 @@ def speculators_pieces():
     return parity, torch, eager, core
 
 
-def speculators_loss(model, torch, core, loss_fn, aux, ids, mask, hidden, anchors, valid, monkeypatch):
+def speculators_loss(model, torch, core, loss_config, aux, ids, mask, hidden, anchors, valid, monkeypatch):
     n = len(anchors)
     monkeypatch.setattr(
         core, "select_anchors", lambda *a, **k: (torch.as_tensor(anchors), torch.as_tensor(valid, dtype=torch.bool))
@@ -51,12 +51,12 @@ def speculators_loss(model, torch, core, loss_fn, aux, ids, mask, hidden, anchor
             verifier_last_hidden_states=torch.as_tensor(hidden)[None],
             document_ids=torch.zeros(1, len(ids), dtype=torch.long),
             max_anchors=n,
-            loss_config={"loss": (loss_fn, 1.0)},
+            loss_config=loss_config,
         )
     return float(loss), {k: float(v) for k, v in metrics.items()}
 
 
-def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, kind: str, attention: str = "dense"):
+def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, ce_weight: float, attention: str = "dense"):
     parts, params, frozen = split_params(drafter, True, True)
     length = len(ids)
     batch = BlockBatch(
@@ -69,7 +69,7 @@ def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, kind: str, atte
         length,
     )
     arrays = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items() if k != "n_tokens"}
-    kw = dict(gamma=4.0, loss_kind=kind, softcap=None, attention=attention)
+    kw = dict(gamma=4.0, ce_weight=ce_weight, softcap=None, attention=attention)
     loss, m = jax.jit(functools.partial(block_loss_and_metrics, parts, **kw))(
         params, frozen, aux[None], y[None], head_w, arrays
     )
@@ -79,9 +79,11 @@ def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, kind: str, atte
 @pytest.mark.speculators
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize(
-    "case,kind", [("tiny", "kl"), ("tiny", "ce"), ("tiny-Vd<V", "kl"), ("tiny-Vd<V", "ce"), ("gemma-shaped", "kl")]
-)
-def test_dflash_loss_equals_speculators(case, kind, monkeypatch):
+    "case,ce_weight", [("tiny", 0.0), ("tiny", 1.0), ("tiny-Vd<V", 0.0), ("tiny-Vd<V", 1.0), ("tiny-Vd<V", 0.3),
+                       ("gemma-shaped", 0.0)]
+)  # fmt: skip
+def test_dflash_loss_equals_speculators(case, ce_weight, monkeypatch):
+    """ce_weight 0: their kl_div; 1: their ce; 0.3: their weighted combination {kl_div: 0.7, ce: 0.3}."""
     parity, torch, eager, core = speculators_pieces()
     c = parity.CASES[case]
     model = parity.speculators_model(c)
@@ -94,13 +96,14 @@ def test_dflash_loss_equals_speculators(case, kind, monkeypatch):
     anchors = np.asarray(parity.ANCHORS)
     valid = np.ones(len(anchors), bool)
     valid[-1] = False  # a padding block
-    loss_fn = eager.kl_div_loss if kind == "kl" else eager.ce_loss
-    want, metrics = speculators_loss(model, torch, core, loss_fn, aux, ids, mask, hidden, anchors, valid, monkeypatch)
+    both = {"kl_div": (eager.kl_div_loss, 1.0 - ce_weight), "ce": (eager.ce_loss, ce_weight)}
+    loss_config = {name: fw for name, fw in both.items() if fw[1] > 0}
+    want, metrics = speculators_loss(model, torch, core, loss_config, aux, ids, mask, hidden, anchors, valid, monkeypatch)
     with torch.no_grad():  # the teacher from the same tensors speculators reads: verifier_norm, verifier_lm_head
         y = model.verifier_norm(torch.as_tensor(hidden)).numpy()
     head_w = jnp.asarray(model.verifier_lm_head.weight.detach().numpy())
-    got, stats = our_loss(drafter, jnp.asarray(aux), jnp.asarray(y), head_w, ids, mask, anchors, valid, kind)
-    assert want > 0 and abs(got - want) <= 1e-5 * abs(want), (case, kind, got, want)
+    got, stats = our_loss(drafter, jnp.asarray(aux), jnp.asarray(y), head_w, ids, mask, anchors, valid, ce_weight)
+    assert want > 0 and abs(got - want) <= 1e-5 * abs(want), (case, ce_weight, got, want)
     for k in range(1, c["block"]):  # per-slot accuracy and speculators' eal, the same counts
         assert stats["correct"][k - 1] == metrics[f"position_{k}_acc_sum"], k
         assert stats["total"][k - 1] == metrics[f"position_{k}_acc_total"], k
@@ -127,7 +130,7 @@ def test_the_loss_is_the_mean_over_sequences_and_kernels_give_dense_gradients():
     head_w = jnp.asarray(rng.standard_normal((64, 32)) / 6, jnp.float32)
     anchors = np.array([[1, 5, 9, 0], [2, 3, 11, 0]])
     valid = np.array([[True, True, True, False], [True, True, True, False]])
-    each = [our_loss(drafter, aux[i], y[i], head_w, ids[i], mask[i], anchors[i], valid[i], "kl")[0] for i in range(2)]
+    each = [our_loss(drafter, aux[i], y[i], head_w, ids[i], mask[i], anchors[i], valid[i], 0.0)[0] for i in range(2)]
 
     parts, params, frozen = split_params(drafter, True, True)
     batch = {
@@ -140,7 +143,7 @@ def test_the_loss_is_the_mean_over_sequences_and_kernels_give_dense_gradients():
     }
 
     def loss(p, attention):
-        kw = dict(gamma=4.0, loss_kind="kl", softcap=None, attention=attention)
+        kw = dict(gamma=4.0, ce_weight=0.0, softcap=None, attention=attention)
         return block_loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, **kw)[0]
 
     dense, g_dense = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, "dense")
@@ -203,7 +206,7 @@ def test_no_anchor_block_crosses_a_document():
 @pytest.mark.parametrize(
     "flag,value,message",
     [
-        ("--loop.dflash_loss", "mse", "loop.dflash_loss must be kl or ce"),
+        ("--loop.ce_weight", "1.5", r"loop.ce_weight must be a number in \[0, 1\]"),
         ("--model.block_size", "1", "model.block_size must be >= 2"),
         ("--loop.dflash_gamma", "0", "loop.dflash_gamma must be"),
         ("--eval.ks", "8", r"eval.ks \[8\]: a DFlash head of model.block_size 8 drafts at most 7"),

@@ -173,3 +173,41 @@ def test_fused_draft_loss_equals_draft_loss_on_the_logits_without_them():
         np.asarray(g_states), np.asarray(gb[0]), rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(gb[0])))
     )
     np.testing.assert_allclose(float(jax.jit(new)(hn, w)[0]), float(lb), rtol=1e-6)
+
+
+def test_ce_weight_mixes_forward_kl_and_cross_entropy_on_the_teacher_top():
+    """`fused_draft_loss(ce_weight=w)` (the loss target of `loss_target`) equals
+    sum_rows mask ((1 - w) KL + w CE(top)) / rows written out with log-softmaxes, value and
+    gradients, for w = 0, 0.3 and 1; a teacher with ties keeps its first top token (CE's label)."""
+    rng = np.random.default_rng(11)
+    b, n, h, vd, positions = 2, 90, 12, 40, 50
+    hn = jnp.asarray(rng.standard_normal((b, n, h)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((h, vd)), jnp.float32)
+    t = 2 * rng.standard_normal((b, positions, vd)).astype(np.float32)
+    t[0, 3, 5] = t[0, 3, 9] = t[0, 3].max() + 1.0  # a tie: the label is id 5
+    t = jnp.asarray(t)
+    rows = jnp.asarray(rng.integers(0, positions, (b, n)), jnp.int32)
+    mask = jnp.asarray(rng.random((b, n)) < 0.7)
+
+    def written_out(hn, w, ce_weight):
+        logq = jax.nn.log_softmax(hn @ w, axis=-1)
+        logp = take_rows(jax.nn.log_softmax(t, axis=-1), rows)
+        kl = jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)
+        label = take_rows(jnp.argmax(t, axis=-1), rows)
+        ce = -jnp.take_along_axis(logq, label[..., None], axis=-1)[..., 0]
+        per_row = (1.0 - ce_weight) * kl + ce_weight * ce
+        return jnp.sum(per_row * mask) / (jnp.sum(mask) + 1e-5)
+
+    values = []
+    for ce_weight in (0.0, 0.3, 1.0):
+
+        def fused(hn, w, ce_weight=ce_weight):
+            return fused_draft_loss(hn, w, t, mask, teacher_rows=rows, chunk=32, ce_weight=ce_weight).loss
+
+        la, ga = jax.value_and_grad(written_out, argnums=(0, 1))(hn, w, ce_weight)
+        lb, gb = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(hn, w)
+        np.testing.assert_allclose(float(lb), float(la), rtol=1e-5)
+        for x, y in zip(gb, ga):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(y))))
+        values.append(float(lb))
+    assert len({round(v, 4) for v in values}) == 3  # three different losses: the weight is used

@@ -76,19 +76,20 @@ def rel_err(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-CASES = {  # (mode, per_depth): (k, drafter layers; two: context rows must pass through every layer)
-    ("parallel", False): (4, 2),
-    ("parallel", True): (4, 1),
-    ("chain", False): (3, 1),  # step 1 reads the context rows' outputs (the fed-back states)
+CASES = {  # (mode, per_depth): (k, drafter layers (two: context rows must pass through every layer), ce_weight)
+    ("parallel", False): (4, 2, 0.0),
+    ("parallel", True): (4, 1, 1.0),  # cross-entropy on the teacher's top token
+    ("chain", False): (3, 1, 0.5),  # step 1 reads the context rows' outputs (the fed-back states); KL + CE
 }
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=lambda c: f"{c[0]}{'-per_depth' if c[1] else ''}")
 def case(request):
     mode, per_depth = request.param
-    k, layers = CASES[request.param]
+    k, layers, ce_weight = CASES[request.param]
     parts, params, frozen, aux, y, head_w, batch = make_case(mode, k, layers)
     kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=0.8, softcap=None, attention="dense")
+    kw["ce_weight"] = ce_weight
 
     def flat(p):
         return loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, **kw)

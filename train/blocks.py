@@ -15,7 +15,8 @@ row, example index]) like the COD rows, so a resumed run draws the same ones.
 Loss (speculators' `compute_metrics` + `loss_function`): slot k >= 1 of anchor a is supervised
 when sup[a + k]; its teacher is the target's distribution at a + k - 1; it weighs
 exp(-(k - 1) / gamma) (slot 0: nothing). Per sequence sum(weight x KL) / (supervised rows +
-1e-5), then the mean over the sequences. KL (forward) or CE on the target's top token.
+1e-5), then the mean over the sequences. Forward KL, CE on the target's top token, or a mix
+(`loop.ce_weight`, `train.loss.loss_target`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 
 from peagle_jax.models.dflash import block_rows_states
 from train import distributed as dist
-from train.loss import TeacherDist, fused_kl, take_rows, teacher_dist, teacher_logits, top_index
+from train.loss import fused_kl, loss_target, take_rows, teacher_logits, top_index
 from train.segments import attention_for
 
 __all__ = [
@@ -132,12 +133,6 @@ def slot_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.where(k >= 1, jnp.exp(-jnp.maximum(k - 1.0, 0.0) / gamma), 0.0)
 
 
-def hard_teacher(top: jax.Array, vocab: int) -> TeacherDist:
-    """The one-hot distribution on the teacher's top token: its forward KL is the cross-entropy."""
-    p = jax.nn.one_hot(top, vocab, dtype=jnp.float32)
-    return TeacherDist(p, jnp.zeros(top.shape, jnp.float32), jnp.ones(top.shape, jnp.float32))
-
-
 def block_rows(anchor, valid, sup, block_size: int):
     """(drafted position a + k [B, n*bs], supervised bool [B, n*bs], slot [n*bs]) of the block rows."""
     length = sup.shape[1]
@@ -148,7 +143,7 @@ def block_rows(anchor, valid, sup, block_size: int):
 
 
 def block_loss_and_metrics(
-    parts, params, frozen, aux, y, head_w, batch, *, gamma: float, loss_kind: str, softcap, attention: str
+    parts, params, frozen, aux, y, head_w, batch, *, gamma: float, ce_weight: float, softcap, attention: str
 ):
     """(loss, metrics) of one DFlash batch from target features aux [B, L, n*Ht] (the head's
     context layers) and final-norm states y [B, L, Ht]; `head_w` [Vd, Ht]: the target's lm_head
@@ -163,7 +158,7 @@ def block_loss_and_metrics(
     teacher = teacher_logits(y, head_w, None, softcap=softcap)  # [B, L, Vd]: the target at each position
     top_t = top_index(teacher)
     ref = jnp.clip(at - 1, 0, length - 1)  # slot k's teacher: the target at a + k - 1
-    dist_ = teacher_dist(teacher) if loss_kind == "kl" else hard_teacher(top_t, teacher.shape[-1])
+    dist_ = loss_target(teacher, ce_weight, top_t)
     supf = sup.astype(jnp.float32)
     count = jnp.sum(supf, axis=1, keepdims=True)  # per sequence, as speculators' loss_mask.sum(dim=1)
     weight = supf * slot_weights(bs, gamma)[slot] / (count + EPS) / anchor.shape[0]

@@ -61,7 +61,6 @@ def _choice_checks(cfg) -> list[tuple[bool, str]]:
     m, d, o = cfg.model, cfg.data, cfg.optim
     return [
         (m.mode in ("parallel", "chain", "dflash"), f"model.mode must be parallel, chain or dflash, got {m.mode!r}"),
-        (cfg.loop.dflash_loss in ("kl", "ce"), f"loop.dflash_loss must be kl or ce, got {cfg.loop.dflash_loss!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16: {m.dtype!r}"),
         (m.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype must be float32 or bfloat16"),
         (m.attention in ("auto", "kernels", "dense"), "model.attention must be auto, kernels or dense"),
@@ -121,6 +120,7 @@ def _optim_loop_checks(cfg) -> list[tuple[bool, str]]:
         (lp.eval_every >= 0, "loop.eval_every must be >= 0 (0 = only at the end)"),
         (_finite32(lp.chain_decay) and lp.chain_decay > 0, "loop.chain_decay must be a finite number > 0"),
         (_finite32(lp.dflash_gamma) and lp.dflash_gamma > 0, "loop.dflash_gamma must be a finite number > 0"),
+        (_finite32(lp.ce_weight) and 0 <= lp.ce_weight <= 1, "loop.ce_weight must be a number in [0, 1]"),
         (_segments_ok(lp.segments), f"loop.segments must be an integer >= 1 or auto, got {lp.segments!r}"),
         (lp.max_rows_per_segment >= 1, "loop.max_rows_per_segment must be >= 1"),
         (_finite(lp.max_seconds) and lp.max_seconds >= 0, "loop.max_seconds must be a finite number >= 0 (0 = none)"),

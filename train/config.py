@@ -163,8 +163,9 @@ class LoopConfig:
     """Chain mode: weight of step j is chain_decay**j (speculators' ttt_step_loss_decay)."""
     dflash_gamma: float = 4.0
     """DFlash: block slot k >= 1 weighs exp(-(k - 1) / dflash_gamma) in the loss (speculators' gamma)."""
-    dflash_loss: str = "kl"
-    """DFlash loss: kl (forward KL to the target's distribution) or ce (cross-entropy on the target's top token)."""
+    ce_weight: float = 0.0
+    """Share of cross-entropy on the target's top token in the loss, the rest forward KL to its distribution: 0 KL,
+    1 CE, between a mix (speculators' loss_fn kl_div / ce / {"kl_div": 1 - w, "ce": w}); every mode."""
     progress: bool = True
     """Show a progress bar."""
     segments: int | str = 1

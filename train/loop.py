@@ -81,7 +81,7 @@ def _check_resume(out: Path, cfg: C.TrainConfig) -> None:
                     f"{out} holds a run with {section}.{k}={old.get(section, {}).get(k)!r} "
                     f"(now {v!r}): use another --out, or the same settings to resume"
                 )
-    for k in ("steps", "epochs", "per_depth_loss", "chain_decay", "dflash_gamma", "dflash_loss"):
+    for k in ("steps", "epochs", "per_depth_loss", "chain_decay", "dflash_gamma", "ce_weight"):
         if old["loop"].get(k) != new["loop"][k]:
             raise TrainError(
                 f"{out} holds a run with loop.{k}={old['loop'].get(k)!r} (now {new['loop'][k]!r}): "

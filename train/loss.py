@@ -35,6 +35,7 @@ __all__ = [
     "argmax_in_draft",
     "TeacherDist",
     "teacher_dist",
+    "loss_target",
     "forward_kl",
     "fused_kl",
     "fused_draft_loss",
@@ -108,6 +109,24 @@ def teacher_dist(teacher: jax.Array) -> TeacherDist:
     logp = jax.nn.log_softmax(jax.lax.stop_gradient(teacher).astype(jnp.float32), axis=-1)
     p = jnp.exp(logp)
     return TeacherDist(p, jnp.sum(jnp.where(p > 0, p * logp, 0.0), axis=-1), jnp.sum(p, axis=-1))
+
+
+def loss_target(teacher: jax.Array, ce_weight: float = 0.0, top: jax.Array | None = None) -> TeacherDist:
+    """What the loss pulls the draft towards, per position, from restricted teacher logits
+    [..., Vd]: (1 - ce_weight) x the teacher's softmax + ce_weight x the one-hot on its top token
+    (`top` [...], computed when not given). Forward KL to it is (1 - w) x KL + w x the
+    cross-entropy on the top token: 0 is forward KL, 1 is speculators' `ce`, between is their
+    weighted combination {"kl_div": 1 - w, "ce": w}. The entropy and mass terms keep the value
+    exact (cross-entropy has no entropy term; its log-sum-exp weighs 1)."""
+    w = float(ce_weight)
+    if w == 0.0:
+        return teacher_dist(teacher)
+    top = top_index(teacher) if top is None else top
+    hard = jax.nn.one_hot(top, teacher.shape[-1], dtype=jnp.float32)
+    if w == 1.0:
+        return TeacherDist(hard, jnp.zeros(top.shape, jnp.float32), jnp.ones(top.shape, jnp.float32))
+    p, neg_entropy, mass = teacher_dist(teacher)
+    return TeacherDist((1.0 - w) * p + w * hard, (1.0 - w) * neg_entropy, (1.0 - w) * mass + w)
 
 
 def forward_kl(draft_logits: jax.Array, teacher: jax.Array, rows: jax.Array | None = None) -> jax.Array:
@@ -345,13 +364,15 @@ def fused_draft_loss(
     teacher_top: jax.Array | None = None,
     teacher_rows: jax.Array | None = None,
     row_weight: jax.Array | float | None = None,
+    ce_weight: float = 0.0,
     chunk: int = 2048,
 ) -> LossOutput:
     """`draft_loss` of the rows whose logits are hn @ w (`DrafterModel.head_inputs`), through
     `fused_kl`: the same loss and gradients without the [rows, Vd] logits, and no vocabulary
     work for unsupervised rows: their `hit` is False (`draft_loss` gives every row's).
     `row_weight` [B, N] or scalar: each supervised row's weight in the loss, in place of
-    `draft_loss`'s normalisations (the caller's: segments); `loss` = sum_r mask_r weight_r KL_r."""
+    `draft_loss`'s normalisations (the caller's: segments); `loss` = sum_r mask_r weight_r KL_r.
+    `ce_weight`: the share of cross-entropy on the teacher's top token in the loss (`loss_target`)."""
     mask = row_mask.astype(jnp.float32)
     if depth is None:
         depth = jnp.zeros(mask.shape, jnp.int32)
@@ -370,7 +391,8 @@ def fused_draft_loss(
         teacher_rows = jnp.broadcast_to(jnp.arange(mask.shape[1], dtype=jnp.int32), mask.shape)
     if teacher_top is None:
         teacher_top = take_rows(top_index(teacher), teacher_rows)
-    loss, kl, hit = fused_kl(hn, w, teacher_dist(teacher), teacher_rows, weight, teacher_top, chunk=chunk)
+    target = loss_target(teacher, ce_weight)
+    loss, kl, hit = fused_kl(hn, w, target, teacher_rows, weight, teacher_top, chunk=chunk)
     correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=(0, 1))
     return LossOutput(loss, jnp.sum(kl), rows, correct, total, hit)
 

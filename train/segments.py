@@ -126,12 +126,15 @@ def segmented_loss(
     chain_decay: float,
     softcap,
     attention: str = "kernels",
+    ce_weight: float = 0.0,
     with_grads: bool = True,
 ):
     """(loss, metrics, grads) of one batch over the segments of batch["seg_rows"]: the same
     values as `train.step.loss_and_metrics` (and its gradient) computed in one flat pass;
     grads is None without `with_grads` (evaluation)."""
-    sp = SegmentedPass(parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention)
+    sp = SegmentedPass(
+        parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention, ce_weight
+    )
     if with_grads:
         (pre0, kv0), depth0_vjp = jax.vjp(sp.depth0, params)
     else:
@@ -156,8 +159,11 @@ class SegmentedPass:
     """What every segment of one batch shares (traced arrays and static sizes), and the passes:
     the depth-0 rows once (`depth0`), then each segment's own rows (`parallel` / `chain`)."""
 
-    def __init__(self, parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention):
+    def __init__(
+        self, parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention, ce=0.0
+    ):
         self.parts, self.frozen, self.aux, self.head_w, self.batch = parts, frozen, aux, head_w, batch
+        self.ce_weight = ce  # the share of cross-entropy in the loss (`train.loss.loss_target`)
         self.mode, self.k, self.per_depth, self.chain_decay, self.softcap = mode, k, per_depth, chain_decay, softcap
         anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
         self.anchor, self.depth, self.doc = anchor, depth, doc
@@ -218,7 +224,7 @@ class SegmentedPass:
         ref = jnp.clip(la + ld, 0, self.length - 1)
         teacher = teacher_logits(take_rows(self.y_next, ref), self.head_w, None, softcap=self.softcap)
         mask = take_rows(self.batch["sup"], ref) & (lc >= 0) & owned  # the loss normalises the teacher
-        out = fused_draft_loss(*model.head_inputs(pre), teacher, mask, row_weight=weight)
+        out = fused_draft_loss(*model.head_inputs(pre), teacher, mask, row_weight=weight, ce_weight=self.ce_weight)
         return out.loss, out.hit, mask.astype(jnp.float32)
 
     def parallel(self, model, s, idx, pre0, kv0):

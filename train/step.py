@@ -126,8 +126,10 @@ def loss_and_metrics(
     chain_decay: float,
     softcap,
     attention: str = "kernels",
+    ce_weight: float = 0.0,
 ):
-    """(loss, metrics) of one batch from target features aux [B, L, 3H], y [B, L, H]."""
+    """(loss, metrics) of one batch from target features aux [B, L, 3H], y [B, L, H];
+    ce_weight: the share of cross-entropy on the teacher's top token (`train.loss.loss_target`)."""
     model = parts.merge(params, frozen)
     anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
     attention = attention_for(attention, anchor.shape[1])
@@ -148,6 +150,7 @@ def loss_and_metrics(
             per_depth=per_depth,
             teacher_top=top,
             teacher_rows=ref,
+            ce_weight=ce_weight,
         )
         loss, hit, correct, total = out.loss, out.hit, out.correct, out.total
     else:
@@ -164,12 +167,15 @@ def loss_and_metrics(
             k=k,
             chain_decay=chain_decay,
             attention=attention,
+            ce_weight=ce_weight,
         )
     metrics = {"loss": loss, "correct": correct, "total": total, "hit": hit, "sup": sup}
     return loss, metrics
 
 
-def chain_objective(model, row_tok, aux, teacher, top_t, sup, anchor, depth, doc, *, k, chain_decay, attention):
+def chain_objective(
+    model, row_tok, aux, teacher, top_t, sup, anchor, depth, doc, *, k, chain_decay, attention, ce_weight=0.0
+):
     """EAGLE-3's training-time test: (loss, hit, correct, total) of the k steps of rows. Step j
     runs only its own L rows, over the keys and values that steps 0..j-1 left (`context`), so
     every row is computed once (k passes of L rows)."""
@@ -207,6 +213,7 @@ def chain_objective(model, row_tok, aux, teacher, top_t, sup, anchor, depth, doc
             None,
             num_depths=1,
             teacher_top=next_rows(top_t, j),
+            ce_weight=ce_weight,
         )
         loss = loss + (chain_decay**j) * o.loss
         hidden = model.feedback(res.prenorm)
@@ -239,14 +246,15 @@ class TrainStep:
         state=None,
         aux_layer_ids=None,
         gamma: float = 4.0,
-        loss_kind: str = "kl",
+        ce_weight: float = 0.0,
     ):
         """mesh: a (data, fsdp, tensor) Mesh (peagle_jax.sharding): the steps are jitted with explicit
         shardings (parameters and optimizer state by its rule table, batch rows over data x fsdp,
         logged scalars replicated); `state` = (params, opt_state, frozen) templates gives their
         structures. Place the state with `place_state`; batches are this process's rows (`rows`).
         aux_layer_ids: the target layers the head reads (None: the target's; a DFlash head's own);
-        mode "dflash": `train.blocks` batches, slot weights exp(-(k-1)/gamma), loss_kind kl or ce."""
+        mode "dflash": `train.blocks` batches, slot weights exp(-(k-1)/gamma); ce_weight: the share of
+        cross-entropy on the teacher's top token in every mode's loss (`train.loss.loss_target`)."""
         self.parts, self.optimizer = parts, optimizer
         self.mesh = mesh
         self.mode, self.k = mode, k
@@ -263,9 +271,10 @@ class TrainStep:
             self.head_w = jax.device_put(head_w, sh["head_w"])
         softcap = target.config.final_logit_softcapping
         kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=chain_decay, softcap=softcap, attention=attention)
+        kw["ce_weight"] = ce_weight
         lossf = functools.partial(loss_and_metrics, parts, **kw)
         if mode == "dflash":
-            block_kw = dict(gamma=gamma, loss_kind=loss_kind, softcap=softcap, attention=attention)
+            block_kw = dict(gamma=gamma, ce_weight=ce_weight, softcap=softcap, attention=attention)
             lossf = functools.partial(block_loss_and_metrics, parts, **block_kw)
         seglossf = functools.partial(segmented_loss, parts, **kw)  # batches with "seg_rows" (see partition)
         aux_ids = self.aux_ids

@@ -154,7 +154,7 @@ class Trainer:
             state=(params, opt_state, frozen),
             aux_layer_ids=self.drafter.config.aux_layer_ids,
             gamma=lc.dflash_gamma,
-            loss_kind=lc.dflash_loss,
+            ce_weight=lc.ce_weight,
         )
         self.params, self.opt_state, self.frozen = self.stepper.place_state(params, opt_state, frozen)
 

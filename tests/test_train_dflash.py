@@ -98,7 +98,9 @@ def test_dflash_loss_equals_speculators(case, ce_weight, monkeypatch):
     valid[-1] = False  # a padding block
     both = {"kl_div": (eager.kl_div_loss, 1.0 - ce_weight), "ce": (eager.ce_loss, ce_weight)}
     loss_config = {name: fw for name, fw in both.items() if fw[1] > 0}
-    want, metrics = speculators_loss(model, torch, core, loss_config, aux, ids, mask, hidden, anchors, valid, monkeypatch)
+    want, metrics = speculators_loss(
+        model, torch, core, loss_config, aux, ids, mask, hidden, anchors, valid, monkeypatch
+    )
     with torch.no_grad():  # the teacher from the same tensors speculators reads: verifier_norm, verifier_lm_head
         y = model.verifier_norm(torch.as_tensor(hidden)).numpy()
     head_w = jnp.asarray(model.verifier_lm_head.weight.detach().numpy())

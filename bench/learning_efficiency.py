@@ -2,7 +2,7 @@
 
     python bench/learning_efficiency.py --work DIR --budgets 25000 50000 100000 \
         [--seeds 0] [--trainers ours speculators] [--variant NAME='--flag v ...'] \
-        [--json FILE]
+        [--base NAME] [--json FILE] [--publish [--publish-as NAME]]
 
 One target (Gemma-3-270M), one set of target-regenerated ShareGPT conversations (prepared
 under DIR/data by `python -m train --data.prepare_only --data.regenerate`, the settings below),
@@ -10,7 +10,9 @@ one feature cache (the target's aux and final-norm states, computed once and rea
 trainers), one sequence order, one draft vocabulary. For each token budget, trainer, variant
 and seed a head is trained from scratch on the first sequences of that order reaching the
 budget (one sequence per step, its schedule spanning exactly those steps):
-- ours: `train.trainer.Trainer` with `python -m train`'s defaults plus the variant's flags;
+- ours: `train.trainer.Trainer` with `python -m train`'s defaults plus the variant's flags; a
+  variant with `--data.batch_size B` runs ceil(steps / B) steps over the same sequences, one
+  with `--bench.epochs N` makes N passes over the sequences of the first budget / N tokens;
 - speculators: `bench.speculators_recipe.train_speculators` (their model class, optimizer,
   schedule, COD sampling and loss as their training CLI builds them), imported by our
   converter.
@@ -35,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 DATA_FLAGS = ["--data.max_conversations", "320", "--data.heldout", "60", "--data.regenerate", "True"]
+DATA_COMMAND = "python -m train --out DIR/data --data.prepare_only True " + " ".join(DATA_FLAGS)
 EVAL_K = 7
 
 
@@ -97,13 +100,38 @@ class Bench:
         return self.heldout
 
 
+def bench_epochs(flags: list[str]) -> tuple[list[str], int]:
+    """(the trainer's flags, N of `--bench.epochs N`: passes over fewer sequences; 1 without it)."""
+    if "--bench.epochs" not in flags:
+        return flags, 1
+    i = flags.index("--bench.epochs")
+    return flags[:i] + flags[i + 2 :], int(flags[i + 1])
+
+
 def train_ours(bench: Bench, order: list[int], flags: list[str], seed: int, out: Path):
+    """A head trained on the sequences of `order` (in the trainer's own order: one sequence a step,
+    or B a step with --data.batch_size B); with --bench.epochs N, N passes over the first sequences
+    of `order` holding a budget / N of its tokens."""
     from train.trainer import Trainer
 
-    cfg = base_config(bench.tpath, [*flags, "--model.seed", str(seed)], len(order))
-    trainer = Trainer(cfg, bench.target, len(order), token_counts=bench.counts)
+    flags, epochs = bench_epochs(flags)
+    train = bench.data.train
+    if epochs > 1:
+        tokens = sum(len(train[i].ids) for i in order)
+        seen, unique = 0, []
+        for i in order:
+            if seen >= tokens / epochs:
+                break
+            unique.append(i)
+            seen += len(train[i].ids)
+        train = [train[i] for i in sorted(unique)]  # the trainer draws its order over these
+    cfg = base_config(bench.tpath, [*flags, "--model.seed", str(seed)], 1)
+    batch = cfg.data.batch_size
+    steps = -(-len(order) // batch) if epochs == 1 else -(-epochs * len(train) // batch)
+    cfg = base_config(bench.tpath, [*flags, "--model.seed", str(seed)], steps)
+    trainer = Trainer(cfg, bench.target, steps, token_counts=bench.counts)
     t0 = time.perf_counter()
-    trainer.fit(bench.data.train, features=bench.cache)
+    trainer.fit(train, features=bench.cache)
     wall = time.perf_counter() - t0
     head = trainer.head()
     head.save(out / "head")
@@ -127,7 +155,7 @@ def train_theirs(bench: Bench, order: list[int], overrides: dict, seed: int, out
     return pj.load_drafter(out / "speculators"), res["wall_s"]
 
 
-def run_one(bench: Bench, trainer: str, variant: str, spec, budget: int, seed: int) -> dict:
+def run_one(bench: Bench, trainer: str, variant: str, spec, budget: int, seed: int, base: str | None, command: str):
     name = f"{trainer}-{variant}-{budget}-s{seed}"
     out = bench.work / "runs" / name
     done = out / "result.json"
@@ -141,7 +169,8 @@ def run_one(bench: Bench, trainer: str, variant: str, spec, budget: int, seed: i
     else:
         head, wall = train_theirs(bench, order, spec, seed, out)
     score = bench.evaluator().acceptance(head)
-    res = {"name": name, "trainer": trainer, "variant": variant, "budget": budget, "seed": seed}
+    res = {"name": name, "trainer": trainer, "variant": variant, "budget": budget, "seed": seed, "base": base}
+    res["command"] = command  # the call that made it, with --work DIR
     res |= {"steps": len(order), "tokens": tokens, "train_s": wall, "heldout": score}
     out.mkdir(parents=True, exist_ok=True)
     done.write_text(json.dumps(res, indent=1))
@@ -201,7 +230,8 @@ def lever_rows(results: list[dict]) -> list[list]:
     """Per (trainer, variant, budget): held-out acceptance and its difference to its baseline."""
     g, rows = group(results), []
     for (trainer, variant, budget), runs in sorted(g.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
-        base_name = baseline_of(trainer, variant)
+        base_name = baseline_of(trainer, variant) if runs[0].get("base") is None else runs[0]["base"]
+        base_name = None if base_name == variant else base_name
         base = g.get(("ours", base_name, budget))
         a, sa = mean_se(runs)
         diff = f"{a - mean_se(base)[0]:+.3f} vs {base_name}" if base else ""
@@ -211,16 +241,19 @@ def lever_rows(results: list[dict]) -> list[list]:
     return rows
 
 
-def publish(results: list[dict], command: str) -> None:
-    """bench/results/learning_efficiency.json and learning_levers.json (`bench/render_results.py`)."""
+def publish(results: list[dict], command: str, levers_as: str = "learning_levers") -> None:
+    """bench/results/learning_efficiency.json (when DIR holds both trainers' runs) and
+    bench/results/LEVERS_AS.json (`bench/render_results.py`); the commands: the data's, the runs'
+    (as they recorded them), then this one."""
     import datetime
     import subprocess
 
     import jax
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    made = list(dict.fromkeys(r["command"] for r in results if r.get("command")))
     meta = {
-        "command": command,
+        "command": [DATA_COMMAND, *made, command],
         "hardware": "2 shared CPU cores, 23 GB RAM, no accelerator",
         "jax": jax.__version__,
         "commit": commit.strip(),
@@ -253,9 +286,11 @@ def publish(results: list[dict], command: str) -> None:
         "rows": comparison_rows(results, ours=("adamw", "default")),
         "notes": [],
     }
+    titles = {"learning_levers": ("Learning levers at equal tokens", 86)}
+    title, order = titles.get(levers_as, ("Learning levers on the default recipe (Muon, lr 2e-3)", 87))
     levers = {
-        "title": "Learning levers at equal tokens",
-        "order": 86,
+        "title": title,
+        "order": order,
         "setup": setup + " Each variant is `python -m train`'s default with the flags named in its row.",
         **meta,
         "columns": [
@@ -271,7 +306,8 @@ def publish(results: list[dict], command: str) -> None:
         "rows": lever_rows(results),
         "notes": [],
     }
-    for name, table in (("learning_efficiency", comparison), ("learning_levers", levers)):
+    tables = [("learning_efficiency", comparison)] if comparison["rows"] else []
+    for name, table in (*tables, (levers_as, levers)):
         path = ROOT / "bench" / "results" / f"{name}.json"
         if path.exists():  # keep the hand-written notes of an earlier publication
             table["notes"] = json.loads(path.read_text()).get("notes", [])
@@ -281,25 +317,34 @@ def publish(results: list[dict], command: str) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--budgets", type=int, nargs="+", default=[25000, 50000, 100000])
+    p.add_argument(
+        "--budgets", type=int, nargs="+", help="token budgets (default 25000 50000 100000; none with --publish)"
+    )
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--trainers", nargs="+", default=["ours", "speculators"], choices=["ours", "speculators"])
     p.add_argument("--variant", action="append", default=[], help="NAME='--flag v' (ours) or speculators:NAME=JSON")
+    p.add_argument("--base", help="the variant every run of this call is compared with (default: by name)")
     p.add_argument("--json", type=Path, help="write every result here")
     p.add_argument("--publish", action="store_true", help="write the tables to bench/results/ (every run in DIR)")
+    p.add_argument("--publish-as", default="learning_levers", help="file name (no .json) of the lever table")
     args = p.parse_args(argv)
     runs = [(t, "default", [] if t == "ours" else {}) for t in args.trainers] + [parse_variant(v) for v in args.variant]
-    bench = Bench(args.work)
+    given = list(argv if argv is not None else sys.argv[1:])
+    command = shlex.join(
+        ["python", "bench/learning_efficiency.py", *(("DIR" if a == str(args.work) else a) for a in given)]
+    )
+    budgets = args.budgets or ([] if args.publish else [25000, 50000, 100000])
+    bench = Bench(args.work) if budgets else None
     results = []
-    for budget in args.budgets:
+    for budget in budgets:
         for trainer, variant, spec in runs:
             for seed in args.seeds:
-                results.append(run_one(bench, trainer, variant, spec, budget, seed))
+                results.append(run_one(bench, trainer, variant, spec, budget, seed, args.base, command))
     if args.json:
         args.json.write_text(json.dumps({"results": results}, indent=1))
     if args.publish:
         every = [json.loads(f.read_text()) for f in sorted((args.work / "runs").glob("*/result.json"))]
-        publish(every, "python bench/learning_efficiency.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+        publish(every, command, args.publish_as)
     return 0
 
 

@@ -42,7 +42,7 @@ test-fast: $(VENV)/.installed-test
 demo: $(VENV)/.installed-demo
 	$(BIN)/python -m train
 
-# P-EAGLE vs EAGLE-3 vs plain decoding on Gemma-3-270M -> docs/report.md (hours on a 2-core CPU;
+# P-EAGLE vs EAGLE-3 vs DFlash vs plain decoding on Gemma-3-270M -> docs/report.md (about an hour on a 2-core CPU;
 # resumable: rerun to continue; e.g. make report REPORT_ARGS='--budget 0.25')
 report: $(VENV)/.installed-test
 	$(BIN)/python -m infer.report $(REPORT_ARGS)

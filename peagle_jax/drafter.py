@@ -22,6 +22,7 @@ from flax import nnx
 
 from peagle_jax import drafter_io
 from peagle_jax.config import DrafterConfig, dflash_aux_layer_ids, validate_aux_layer_ids
+from peagle_jax.drafter_init import target_layer_arrays
 from peagle_jax.dtypes import dtype_name
 from peagle_jax.models.drafter import (
     DrafterModel,
@@ -144,6 +145,7 @@ def new_drafter(
     layer_types=None,
     block_size: int = 8,
     aux_layer_ids=None,
+    init_layer: int | None = None,
     **flags,
 ) -> Drafter:
     """A fresh head for `target` (a Target: .config, .graphdef, .state, .aux_layer_ids).
@@ -160,6 +162,8 @@ def new_drafter(
     speculators default), else all full attention.
     flags: norm_before_residual, norm_before_fc, fc_norm, norm_output, attention_bias,
     qk_norm, rope (a RopeConfig to use instead of the target's).
+    init_layer: start layer 0 from this target layer (negative: from the end) instead of random
+    (`peagle_jax.drafter_init`: attention, MLP and norms carried over; P-EAGLE / EAGLE-3).
     Mode "dflash": a block of `block_size` (B - 1 drafts a pass); `aux_layer_ids` None = DFlash's
     default context layers, one per head layer (`config.dflash_aux_layer_ids`); Qwen3 layers
     (q/k norms); embed_tokens is the target's raw embedding (no Gemma scale), as speculators
@@ -231,4 +235,7 @@ def new_drafter(
         ("d2t",): d2t_from_ids(used).astype(np.int32),
     }
     dtype = dtype_name(getattr(target, "dtype", "float32") if dtype is None else dtype)
-    return Drafter.from_arrays(config, init_arrays(config, seed, given), dtype)
+    arrays = init_arrays(config, seed, given)
+    if init_layer is not None:
+        arrays.update(target_layer_arrays(target, init_layer, arrays, config))
+    return Drafter.from_arrays(config, arrays, dtype)

@@ -59,6 +59,9 @@ class ModelConfig:
     """Qwen3-style per-head RMSNorm on the draft layer's q and k (speculators' default draft layer; vLLM reads it)."""
     norm_before_residual: bool = False
     """The first layer's residual is the normed hidden input (speculators' default; vLLM reads the flag)."""
+    init_layer: int | None = None
+    """Start the head's first layer from this target layer (negative: from the end; unset: random): its attention, MLP
+    and norms (peagle_jax.drafter_init); P-EAGLE and EAGLE-3."""
     freeze_lm_head: bool = True
     """Keep lm_head at the target's rows of the draft vocabulary (saves its weight gradient)."""
     freeze_embed: bool = True

@@ -51,6 +51,10 @@ def check_target(cfg: C.TrainConfig, target, where) -> None:
         raise TrainError(f"model.draft_vocab={mc.draft_vocab} exceeds the target's vocabulary of {v}")
     if mc.mask_token_id is not None and not 0 <= mc.mask_token_id < v:
         raise TrainError(f"model.mask_token_id={mc.mask_token_id} is outside the target's vocabulary [0, {v})")
+    n = target.config.num_layers
+    if mc.init_layer is not None and (mc.mode == "dflash" or not -n <= mc.init_layer < n):
+        why = "a DFlash head has no fused first layer" if mc.mode == "dflash" else f"valid: {-n} .. {n - 1}"
+        raise TrainError(f"model.init_layer={mc.init_layer}: {where} has {n} layers ({why})")
     if target.config.num_layers < 4:
         raise TrainError(f"{where}: a target of {target.config.num_layers} layers has no 3 distinct aux layers")
 
@@ -65,6 +69,7 @@ def head_flags(mc: C.ModelConfig) -> dict:
         "norm_before_fc": mc.norm_before_fc,
         "qk_norm": mc.qk_norm,
         "norm_before_residual": mc.norm_before_residual,
+        "init_layer": mc.init_layer,
     }
 
 

@@ -343,3 +343,26 @@ def test_an_anchor_scores_what_the_engine_accepts_from_it(dflash_run):
         assert res.stats["acceptance_length"] == per_anchor[p], p
         seen.append(per_anchor[p])
     assert len(seen) >= 4 and max(seen) > 1, seen  # some rounds accept drafts: the match is not all 1s
+
+
+@pytest.mark.parametrize("saved_loss,ce_weight,resumes", [("kl", 0.0, True), ("ce", 1.0, True), ("ce", 0.0, False)])
+def test_a_run_saved_with_dflash_loss_resumes_as_its_ce_weight(tmp_path, saved_loss, ce_weight, resumes):
+    """A checkpoint folder written before loop.ce_weight (loop.dflash_loss kl | ce) resumes with
+    the ce_weight it trained with (0 | 1), and is refused, naming the flag, with another."""
+    from train import config as C
+    from train.loop import TrainError, check_resume
+
+    cfg = parse_args(["--preset", "tiny", "--model.mode", "dflash", "--out", str(tmp_path)])
+    saved = C.to_dict(cfg)
+    del saved["loop"]["ce_weight"]
+    saved["loop"]["dflash_loss"] = saved_loss
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    (tmp_path / "checkpoints" / "5").mkdir(parents=True)  # a checkpoint
+    now = parse_args(
+        ["--preset", "tiny", "--model.mode", "dflash", "--out", str(tmp_path), "--loop.ce_weight", str(ce_weight)]
+    )
+    if resumes:
+        check_resume(tmp_path, now)
+    else:
+        with pytest.raises(TrainError, match=r"loop.ce_weight=1.0 \(now 0.0\)"):
+            check_resume(tmp_path, now)

@@ -25,7 +25,7 @@ from train.metrics import MetricsLog
 from train.payoff import fastest_k, payoff
 from train.trainer import Hook, TimeBudget, Trainer, TrainError, total_steps
 
-__all__ = ["run", "TrainError", "serve_command"]
+__all__ = ["run", "TrainError", "serve_command", "check_resume"]
 
 
 def _write_json(path: Path, obj) -> None:
@@ -66,7 +66,7 @@ def has_checkpoint(out: Path) -> bool:
     return folder.is_dir() and any(p.name.isdigit() for p in folder.iterdir())
 
 
-def _check_resume(out: Path, cfg: C.TrainConfig) -> None:
+def check_resume(out: Path, cfg: C.TrainConfig) -> None:
     """A TrainError when OUT holds checkpoints of a run with other settings (a run that stopped
     before its first checkpoint leaves nothing to resume: any settings may reuse its OUT)."""
     saved = out / "config.json"
@@ -81,10 +81,12 @@ def _check_resume(out: Path, cfg: C.TrainConfig) -> None:
                     f"{out} holds a run with {section}.{k}={old.get(section, {}).get(k)!r} "
                     f"(now {v!r}): use another --out, or the same settings to resume"
                 )
+    # a run saved before loop.ce_weight had forward KL, or CE with DFlash's loop.dflash_loss ce
+    old_loop = {"ce_weight": 1.0 if old["loop"].get("dflash_loss") == "ce" else 0.0, **old["loop"]}
     for k in ("steps", "epochs", "per_depth_loss", "chain_decay", "dflash_gamma", "ce_weight"):
-        if old["loop"].get(k) != new["loop"][k]:
+        if old_loop.get(k) != new["loop"][k]:
             raise TrainError(
-                f"{out} holds a run with loop.{k}={old['loop'].get(k)!r} (now {new['loop'][k]!r}): "
+                f"{out} holds a run with loop.{k}={old_loop.get(k)!r} (now {new['loop'][k]!r}): "
                 "use another --out, or the same settings to resume"
             )
 
@@ -289,7 +291,7 @@ def prepare_out(cfg: C.TrainConfig) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"--out {cfg.out}: cannot make the folder ({e.strerror})") from None
-    _check_resume(out, cfg)
+    check_resume(out, cfg)
     dist.barrier("resume-checked")  # every process reads the old config.json before process 0 replaces it
     if dist.is_main():
         _write_json(out / "config.json", C.to_dict(cfg))

@@ -389,9 +389,10 @@ def fused_draft_loss(
         weight = mask / (denom + eps)
     if teacher_rows is None:
         teacher_rows = jnp.broadcast_to(jnp.arange(mask.shape[1], dtype=jnp.int32), mask.shape)
+    top = top_index(teacher) if teacher_top is None or ce_weight else None  # per position, once
     if teacher_top is None:
-        teacher_top = take_rows(top_index(teacher), teacher_rows)
-    target = loss_target(teacher, ce_weight)
+        teacher_top = take_rows(top, teacher_rows)
+    target = loss_target(teacher, ce_weight, top)
     loss, kl, hit = fused_kl(hn, w, target, teacher_rows, weight, teacher_top, chunk=chunk)
     correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=(0, 1))
     return LossOutput(loss, jnp.sum(kl), rows, correct, total, hit)

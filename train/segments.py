@@ -160,10 +160,10 @@ class SegmentedPass:
     the depth-0 rows once (`depth0`), then each segment's own rows (`parallel` / `chain`)."""
 
     def __init__(
-        self, parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention, ce=0.0
+        self, parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention, ce_weight=0.0
     ):
         self.parts, self.frozen, self.aux, self.head_w, self.batch = parts, frozen, aux, head_w, batch
-        self.ce_weight = ce  # the share of cross-entropy in the loss (`train.loss.loss_target`)
+        self.ce_weight = ce_weight  # the share of cross-entropy in the loss (`train.loss.loss_target`)
         self.mode, self.k, self.per_depth, self.chain_decay, self.softcap = mode, k, per_depth, chain_decay, softcap
         anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
         self.anchor, self.depth, self.doc = anchor, depth, doc

@@ -270,8 +270,8 @@ class TrainStep:
             sh = self._shardings(mesh, state)
             self.head_w = jax.device_put(head_w, sh["head_w"])
         softcap = target.config.final_logit_softcapping
-        kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=chain_decay, softcap=softcap, attention=attention)
-        kw["ce_weight"] = ce_weight
+        kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=chain_decay, softcap=softcap)
+        kw.update(attention=attention, ce_weight=ce_weight)
         lossf = functools.partial(loss_and_metrics, parts, **kw)
         if mode == "dflash":
             block_kw = dict(gamma=gamma, ce_weight=ce_weight, softcap=softcap, attention=attention)

@@ -28,8 +28,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from peagle_jax.config import DrafterConfig  # noqa: E402
 from peagle_jax.drafter import Drafter  # noqa: E402
+from peagle_jax.drafter_config import DrafterConfig  # noqa: E402
 from train.cod import chain_rows  # noqa: E402
 from train.step import loss_and_metrics, split_params  # noqa: E402
 

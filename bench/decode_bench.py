@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 
 import peagle_jax as pj
-from peagle_jax import speculative as sp
 from peagle_jax.assets import prepare
+from peagle_jax.engine import SpeculativeDecoder
+from peagle_jax.engine import speculative as sp
 from peagle_jax.folders import atomic_write_text
-from peagle_jax.generation import SpeculativeDecoder
 from peagle_jax.models import layers
 
 CACHE = 32768

@@ -56,8 +56,8 @@ def bench_jax(target, prompts: np.ndarray, new: int):
     """Prefill and decode of the engine's plain decoding (mode "none": what `generate_greedy` runs)."""
     import jax
 
-    from peagle_jax import speculative as sp
-    from peagle_jax.generation import SpeculativeDecoder
+    from peagle_jax.engine import SpeculativeDecoder
+    from peagle_jax.engine import speculative as sp
 
     dec = SpeculativeDecoder(target, mode="none", eos_ids=())  # never stop early: fixed token counts
     rows = prompts.tolist()

@@ -88,7 +88,7 @@ def build(
     from transformers import get_linear_schedule_with_warmup
 
     import peagle_jax as pj
-    from peagle_jax.drafter_io import export_speculators
+    from peagle_jax.formats import export_speculators
     from train import cod
     from train.config import from_dict
     from train.data import Example

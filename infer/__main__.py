@@ -191,7 +191,7 @@ def _load(args):
 
 
 def run_generate(args) -> None:
-    from peagle_jax.generation import SpeculativeDecoder
+    from peagle_jax.engine import SpeculativeDecoder
 
     target, drafters, stops = _load(args)
     drafter = drafters[0][1] if drafters else None
@@ -223,8 +223,8 @@ def run_generate(args) -> None:
 def check_k(args) -> None:
     """--k against the target's context (config.json) before anything loads or compiles; the
     decoder checks it again (DepthError). An unreadable config is left to the loader to report."""
-    from peagle_jax.generation import check_depth
-    from peagle_jax.serving import target_facts
+    from peagle_jax.engine import check_depth
+    from peagle_jax.formats import target_facts
 
     if args.mode == "none":
         return
@@ -236,7 +236,7 @@ def check_k(args) -> None:
 
 
 def _work(args) -> int:
-    from peagle_jax.generation import DepthError
+    from peagle_jax.engine import DepthError
 
     try:
         return _dispatch(args)

@@ -22,11 +22,10 @@ import jax.numpy as jnp
 from flax import nnx
 from tqdm import tqdm
 
-from peagle_jax import cache as kv
-from peagle_jax import speculative as sp
+from peagle_jax.engine import SpeculativeDecoder, load_prompts, prompt_ids
+from peagle_jax.engine import cache as kv
+from peagle_jax.engine import speculative as sp
 from peagle_jax.folders import atomic_write_text
-from peagle_jax.generation import SpeculativeDecoder
-from peagle_jax.prompts import load_prompts, prompt_ids
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""Frozen model configurations: `TargetConfig`, `RopeConfig`, `DrafterConfig`.
+"""Frozen target configurations: `TargetConfig`, `RopeConfig` (a head's: `peagle_jax.drafter_config`).
 
 One `TargetConfig` describes every supported decoder family; family differences are
 flags (norm offset, q/k norms, embedding scale, sliding layers, softcaps), so the
@@ -21,8 +21,6 @@ from typing import Any
 import numpy as np
 
 from peagle_jax.config_fields import (  # noqa: F401 - ConfigError and read_json are re-exported
-    ACTIVATION_NAMES,
-    LAYER_TYPES,
     ROPE_FIELDS,
     ConfigError,
     check_fields,
@@ -32,7 +30,6 @@ from peagle_jax.config_fields import (  # noqa: F401 - ConfigError and read_json
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 NUM_AUX = 3  # aux hidden states a drafter reads (vLLM's EAGLE-3 heads: exactly 3)
-DRAFTER_MODES = ("parallel", "chain", "dflash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,188 +327,3 @@ def dflash_aux_layer_ids(num_layers: int, num_draft_layers: int) -> tuple[int, .
     if d > n - 1:
         raise ConfigError(f"a {d}-layer DFlash head needs a target with more than {d} layers (got {n})")
     return tuple(sorted({int(round(1 + j * (n - 2) / max(d - 1, 1))) for j in range(d)}))
-
-
-@dataclasses.dataclass(frozen=True)
-class DrafterConfig:
-    """Everything that shapes the drafter network. Hashable (a static jit argument).
-
-    `aux_layer_ids` use the vLLM convention (residual stream entering that target layer).
-    `k_train` is the depth the head was trained for (P-EAGLE: COD depths K; EAGLE-3: TTT
-    steps); None when unknown. `norm_output` (EAGLE 3.1): chain mode feeds back the
-    post-norm state instead of the pre-norm one. `qk_norm`: Qwen3-style per-head q/k
-    RMSNorm in every layer (speculators heads built on a Qwen3 layer config).
-    `verifier`: the target's name or path as a speculators config records it.
-    `layer_types` ("full_attention" | "sliding_attention" per layer; () = all full) and
-    `sliding_window` (tokens) as transformers, speculators and vLLM spell them: a sliding layer
-    attends to depth-0 rows within `sliding_window` of each row's reference position (the rule:
-    `kernels.visible`). `sliding_window` may be set with no sliding layer (speculators writes it
-    always); it then changes nothing.
-    Mode "dflash" (`peagle_jax.models.dflash`): `block_size` B (the bonus token and B - 1 mask
-    slots, drafting B - 1 tokens a pass) and `aux_layer_ids` of any length (one context layer
-    each); the other modes have no block size.
-    """
-
-    hidden_size: int
-    target_hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    draft_vocab_size: int
-    rms_norm_eps: float = 1e-6
-    rope: RopeConfig = RopeConfig()
-    max_position_embeddings: int = 2048
-    mode: str = "parallel"
-    mask_token_id: int | None = None
-    aux_layer_ids: tuple[int, int, int] | None = None
-    k_train: int | None = None
-    norm_before_residual: bool = False
-    norm_before_fc: bool = False
-    fc_norm: bool = False
-    norm_output: bool = False
-    attention_bias: bool = False
-    qk_norm: bool = False
-    hidden_act: str = "silu"
-    target_model_type: str | None = None
-    verifier: str | None = None
-    layer_types: tuple[str, ...] = ()
-    sliding_window: int | None = None
-    block_size: int | None = None
-
-    def __post_init__(self):
-        if self.aux_layer_ids is not None:  # None: the default ids of the target it is paired with
-            count = None if self.mode == "dflash" else NUM_AUX
-            ids = validate_aux_layer_ids(self.aux_layer_ids, where="DrafterConfig.aux_layer_ids", count=count)
-            object.__setattr__(self, "aux_layer_ids", ids)
-        for name in (
-            "hidden_size",
-            "target_hidden_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "draft_vocab_size",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"DrafterConfig: {name} must be a positive int, got {value!r}")
-            object.__setattr__(self, name, int(value))
-        if self.mode not in DRAFTER_MODES:
-            raise ConfigError(f"DrafterConfig: mode must be one of {DRAFTER_MODES}, got {self.mode!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(
-                f"DrafterConfig: num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
-            )
-        if self.draft_vocab_size > self.vocab_size:
-            raise ConfigError(f"DrafterConfig: draft_vocab_size {self.draft_vocab_size} > vocab_size {self.vocab_size}")
-        if self.mask_token_id is not None:
-            if not 0 <= int(self.mask_token_id) < self.vocab_size:
-                raise ConfigError(
-                    f"DrafterConfig: mask_token_id {self.mask_token_id} outside the vocabulary [0, {self.vocab_size})"
-                )
-            object.__setattr__(self, "mask_token_id", int(self.mask_token_id))
-        if self.mode == "parallel" and self.mask_token_id is None:
-            raise ConfigError("DrafterConfig: mode 'parallel' needs a mask_token_id")
-        if self.norm_before_fc and self.fc_norm:
-            raise ConfigError("DrafterConfig: norm_before_fc and fc_norm are mutually exclusive")
-        if self.hidden_act not in ACTIVATION_NAMES:
-            raise ConfigError(f"DrafterConfig: unsupported hidden_act {self.hidden_act!r}")
-        if self.k_train is not None:
-            object.__setattr__(self, "k_train", int(self.k_train))
-        self._check_windows()
-        if self.mode == "dflash":
-            self._check_dflash()
-        elif self.block_size is not None:
-            raise ConfigError(f"DrafterConfig: block_size is a DFlash setting (mode {self.mode!r} has none)")
-
-    def _check_dflash(self) -> None:
-        """DFlash heads: Qwen3 layers (q/k norms), hidden size = the target's, a block of >= 2,
-        explicit context layers, a mask token, none of the EAGLE-3 input norms, full attention."""
-        b = self.block_size
-        if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 2:
-            raise ConfigError(f"DrafterConfig: mode 'dflash' needs block_size >= 2, got {b!r}")
-        object.__setattr__(self, "block_size", int(b))
-        problems = [
-            (self.mask_token_id is None, "a mask_token_id"),
-            (self.aux_layer_ids is None, "aux_layer_ids (its context layers)"),
-            (not self.qk_norm, "qk_norm (Qwen3 layers)"),
-            (self.hidden_size != self.target_hidden_size, "hidden_size equal to target_hidden_size"),
-            (self.norm_before_residual or self.norm_before_fc or self.fc_norm or self.norm_output, "no EAGLE-3 norms"),
-            (self.sliding, "full attention in every layer"),
-        ]
-        for bad, need in problems:
-            if bad:
-                raise ConfigError(f"DrafterConfig: mode 'dflash' needs {need}")
-        if self.k_train is None:
-            object.__setattr__(self, "k_train", int(b) - 1)
-
-    def _check_windows(self) -> None:
-        types = tuple(self.layer_types) if self.layer_types else ("full_attention",) * self.num_layers
-        if len(types) != self.num_layers:
-            raise ConfigError(
-                f"DrafterConfig: layer_types has {len(types)} entries for num_hidden_layers {self.num_layers}"
-            )
-        bad = sorted(set(types) - set(LAYER_TYPES))
-        if bad:
-            raise ConfigError(f"DrafterConfig: unknown layer_types {bad} (known: {', '.join(LAYER_TYPES)})")
-        object.__setattr__(self, "layer_types", types)
-        w = self.sliding_window
-        if w is not None:
-            if not isinstance(w, (int, np.integer)) or isinstance(w, bool) or w < 1:
-                raise ConfigError(f"DrafterConfig: sliding_window must be an int >= 1, got {w!r}")
-            object.__setattr__(self, "sliding_window", int(w))
-        elif "sliding_attention" in types:
-            raise ConfigError("DrafterConfig: layer_types has sliding_attention layers but sliding_window is not set")
-
-    def window(self, layer: int) -> int | None:
-        """The sliding window of drafter layer `layer` (None: full attention)."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
-
-    @property
-    def sliding(self) -> bool:
-        """Some drafter layer has a sliding window."""
-        return "sliding_attention" in self.layer_types
-
-    @property
-    def attn_scale(self) -> float:
-        return float(self.head_dim) ** -0.5
-
-    @property
-    def num_aux(self) -> int:
-        """Aux states concatenated into fc: 3 (EAGLE-3 / P-EAGLE), one per context layer (DFlash)."""
-        return len(self.aux_layer_ids) if self.mode == "dflash" else NUM_AUX
-
-    @property
-    def fc_in(self) -> int:
-        return self.num_aux * self.target_hidden_size
-
-    def to_dict(self) -> dict:
-        out = dataclasses.asdict(self)
-        out["rope"] = dataclasses.asdict(self.rope)
-        out["aux_layer_ids"] = None if self.aux_layer_ids is None else list(self.aux_layer_ids)
-        out["layer_types"] = list(self.layer_types)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict, where: str = "drafter config") -> DrafterConfig:
-        data = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"{where}: unknown keys {unknown}")
-        rope = data.get("rope")
-        if isinstance(rope, dict):
-            rope_known = {f.name for f in dataclasses.fields(RopeConfig)}
-            bad = sorted(set(rope) - rope_known)
-            if bad:
-                raise ConfigError(f"{where}: unknown keys {bad} in 'rope'")
-            data["rope"] = RopeConfig(**rope)
-        try:
-            return cls(**data)
-        except TypeError as err:
-            raise ConfigError(f"{where}: {err}") from None

@@ -4,7 +4,7 @@
 
 Prepares the model folder (`peagle_jax.assets.prepare("gemma3-270m")`, built once from the
 PyPI GGUF package and cached), loads it with `load_target`, generates greedily with
-`peagle_jax.generation.generate_greedy` (the engine's plain decoding: jitted prefill +
+`peagle_jax.engine.generation.generate_greedy` (the engine's plain decoding: jitted prefill +
 `lax.while_loop` of decode steps) and prints the text and the
 speed. The first call compiles; the speed reported is a second, warm call.
 """
@@ -41,7 +41,7 @@ def _parse(argv):
 
 def _demo(args) -> int:
     import peagle_jax as pj
-    from peagle_jax.generation import generate_greedy
+    from peagle_jax.engine import generate_greedy
 
     if args.path:
         folder = args.path

@@ -1,7 +1,7 @@
 """The drafter handle users hold: `new_drafter`, `load_drafter`, `Drafter.save`.
 
 The network is `peagle_jax.models.drafter`; every checkpoint format (our own, vLLM's,
-speculators') is `peagle_jax.drafter_io`, which works on (config, arrays) and never sees
+speculators') is `peagle_jax.formats.checkpoints`, which works on (config, arrays) and never sees
 this handle. Defaults chosen by `new_drafter` when not given (reported in the config):
 - `mask_token_id`: the target's `pad_token_id` when it has one, else `V - 1` (the last id,
   a reserved/special token in the common vocabularies). Only for mode "parallel".
@@ -20,10 +20,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from peagle_jax import drafter_io
-from peagle_jax.config import DrafterConfig, dflash_aux_layer_ids, validate_aux_layer_ids
+from peagle_jax.config import dflash_aux_layer_ids, validate_aux_layer_ids
+from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.drafter_init import target_layer_arrays
 from peagle_jax.dtypes import dtype_name
+from peagle_jax.formats import read_drafter, write_own
 from peagle_jax.models.drafter import (
     DrafterModel,
     DrafterOutput,
@@ -112,20 +113,20 @@ class Drafter:
         """Own checkpoint: path/drafter.json (config) + path/state (orbax). Written to a
         temporary sibling folder, then renamed into place; an existing drafter checkpoint
         (or empty folder) at `path` is replaced, anything else is refused."""
-        self.path = drafter_io.write_own(path, self.config, self.arrays(), dtype_name(self.dtype))
+        self.path = write_own(path, self.config, self.arrays(), dtype_name(self.dtype))
         return self.path
 
 
 def load_drafter(path: str | os.PathLike, *, target=None, dtype=None) -> Drafter:
     """An own checkpoint (drafter.json), or a vLLM-native or speculators folder (config.json +
-    safetensors; see `peagle_jax.drafter_io`). `target` (a Target) supplies embed_tokens for an
+    safetensors; see `peagle_jax.formats.checkpoints`). `target` (a Target) supplies embed_tokens for an
     EAGLE-3 chain head that ships none, and embed_tokens / lm_head for a DFlash head (speculators
     saves neither for a full vocabulary). `dtype` None = the checkpoint's own (imports: float32)."""
     embeddings = weights = None
     if target is not None:
         embeddings = lambda: target.embedding_arrays()[0]  # noqa: E731
         weights = lambda: target.embedding_arrays(scaled=False)  # noqa: E731 - what a DFlash head shares
-    config, arrays, stored = drafter_io.read_drafter(path, embeddings=embeddings, target_weights=weights)
+    config, arrays, stored = read_drafter(path, embeddings=embeddings, target_weights=weights)
     d = dtype or stored
     return Drafter.from_arrays(config, arrays, d, path=Path(path), where=f"{path}: ")
 

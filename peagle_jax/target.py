@@ -8,7 +8,7 @@ out = target.apply(tokens, positions, cache, logits_at=None)  # jitted, cache do
 ```
 `target_apply` is the pure form for use inside `jax.jit` (the speculative engine): one forward
 over any number of tokens (prefill, a K+1-token verification, one decode step). Generation
-(greedy or speculative) is `peagle_jax.generation`.
+(greedy or speculative) is `peagle_jax.engine.generation`.
 
 Positions convention: the cache index of a token is its position; position -1 marks a
 padding slot (its K/V is not written, its outputs are meaningless). Rows of a batch may be
@@ -28,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from peagle_jax import cache as kv
 from peagle_jax.cli import one_line
 from peagle_jax.config import TargetConfig, validate_aux_layer_ids
 from peagle_jax.config_fields import GENERATION_FIELDS, ConfigError, check_fields, read_json
+from peagle_jax.engine import cache as kv
 from peagle_jax.models.decoder import DecoderOutput, embedding_arrays
 from peagle_jax.models.registry import target_config
 from peagle_jax.sharding import shard_state
-from peagle_jax.weights import WeightsError, export_target, load_params
+from peagle_jax.weights import TOKENIZER_FILES, WeightsError, export_target, load_params
 
 __all__ = [
     "Target",
@@ -44,15 +44,6 @@ __all__ = [
     "DecoderOutput",
 ]
 
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "generation_config.json",
-)
 # the JSON files transformers reads to build a tokenizer (a corrupt one is named on failure)
 TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 

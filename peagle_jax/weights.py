@@ -42,6 +42,17 @@ from peagle_jax.dtypes import numpy_dtype
 from peagle_jax.folders import INDEX_FILE, SINGLE_FILE, write_hf_folder
 from peagle_jax.models.registry import hf_config, key_map
 
+# the files of a target folder besides config.json and weights, copied with it on export
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+
 # e2m1 code -> value (transformers.integrations.mxfp4.FP4_VALUES)
 FP4_VALUES = np.array(
     [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32

@@ -12,9 +12,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from peagle_jax.config import DrafterConfig
-from peagle_jax.convert import INDEX_FILE, main
 from peagle_jax.drafter import Drafter
+from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.formats.convert import INDEX_FILE, main
 from peagle_jax.models.drafter import abstract_drafter, flat_state
 
 V, H, L_DRAFT = 64, 32, 2

@@ -18,7 +18,7 @@ from head_folders import V, hand_tensors, speculators_cfg, vllm_config, write_fo
 import peagle_jax as pj
 from infer.__main__ import main
 from peagle_jax.config import ConfigError
-from peagle_jax.head_config import read_speculators_config, read_vllm_config
+from peagle_jax.formats import read_speculators_config, read_vllm_config
 from peagle_jax.models.registry import target_config
 from peagle_jax.target import load_tokenizer
 

@@ -41,8 +41,8 @@ from head_folders import (
 from safetensors.numpy import load_file, save_file
 
 from peagle_jax.config import RopeConfig
-from peagle_jax.convert import INDEX_FILE, parse_size
 from peagle_jax.drafter import load_drafter
+from peagle_jax.formats.convert import INDEX_FILE, parse_size
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -178,7 +178,7 @@ def test_speculators_export_layout(own, tmp_path, capsys):
 
 def test_subprocess_cli(own, tmp_path):
     src, d = own
-    cmd = [sys.executable, "-m", "peagle_jax.convert"]
+    cmd = [sys.executable, "-m", "peagle_jax.formats.convert"]
     res = subprocess.run(
         cmd + ["export", str(src), str(tmp_path / "x"), "--format", "vllm"],
         capture_output=True,

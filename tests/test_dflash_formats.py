@@ -1,4 +1,4 @@
-"""DFlash heads in the two checkpoint formats (peagle_jax.drafter_io, head_config_dflash): bit-exact
+"""DFlash heads in the two checkpoint formats (peagle_jax.formats.checkpoints, head_config_dflash): bit-exact
 round trips (vLLM native / z-lab and speculators; full and draft vocabulary; float32 and bf16),
 the aux-id offset (z-lab target_layer_ids = ours - 1), a checkpoint written by speculators' own
 DFlashDraftModel.save_pretrained importing with the same logits, speculators loading our export,
@@ -16,11 +16,19 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from peagle_jax.config import ConfigError, DrafterConfig, RopeConfig
+from peagle_jax.config import ConfigError, RopeConfig
 from peagle_jax.drafter import Drafter, load_drafter
-from peagle_jax.drafter_io import DrafterIOError, detect_format, export_speculators, export_vllm, read_drafter
-from peagle_jax.inspect import format_report, inspect_folder
-from peagle_jax.serving import serve_command
+from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.formats import (
+    DrafterIOError,
+    detect_format,
+    export_speculators,
+    export_vllm,
+    format_report,
+    inspect_folder,
+    read_drafter,
+    serve_command,
+)
 
 V, H, VD = 64, 32, 40
 AUX = (2, 5, 7)

@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from peagle_jax import cache as kv
-from peagle_jax.config import DrafterConfig, RopeConfig
+from peagle_jax.config import RopeConfig
 from peagle_jax.drafter import Drafter, load_drafter, new_drafter
-from peagle_jax.drafter_io import export_speculators, export_vllm
+from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.engine import cache as kv
+from peagle_jax.formats import export_speculators, export_vllm
 from peagle_jax.models.drafter import (
     cod_rows_forward,
     draft_to_target,

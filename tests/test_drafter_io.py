@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from peagle_jax.config import ConfigError
 from peagle_jax.drafter import load_drafter
-from peagle_jax.drafter_io import (
+from peagle_jax.formats.checkpoints import (
     DrafterIOError,
     check_tensors,
     checkpoint_tensors,

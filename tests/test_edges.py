@@ -18,8 +18,8 @@ import pytest
 
 import peagle_jax as pj
 from infer.__main__ import main as infer_main
+from peagle_jax.engine import SpeculativeDecoder, generate_greedy
 from peagle_jax.folders import atomic_folder, atomic_write_text, write_hf_folder
-from peagle_jax.generation import SpeculativeDecoder, generate_greedy
 
 NEW = 8
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,7 +69,7 @@ def test_written_folders_follow_the_umask(tiny, tmp_path):
     try:
         drafter = pj.new_drafter(target, mode="parallel", seed=1)
         saved = drafter.save(tmp_path / "own")
-        from peagle_jax.drafter_io import export_vllm
+        from peagle_jax.formats import export_vllm
 
         exported = export_vllm(drafter, tmp_path / "vllm")
         json_file = atomic_write_text(tmp_path / "bench" / "r.json", "{}")
@@ -275,7 +275,7 @@ def test_terminated_cli_exits_cleanly(tiny):
 
 
 def test_convert_exit_codes_and_help(tiny, tmp_path, capsys):
-    from peagle_jax.convert import main as convert_main
+    from peagle_jax.formats.convert import main as convert_main
 
     _, target = tiny
     assert convert_main(["inspect", str(tmp_path / "missing")]) == 2  # could not inspect

@@ -58,7 +58,7 @@ def test_logits_match_transformers(models):
 
 
 def test_greedy_matches_transformers(models):
-    from peagle_jax.generation import generate_greedy
+    from peagle_jax.engine import generate_greedy
 
     target, hf, torch = models
     prompts = [target.tokenizer(t)["input_ids"] for t in PROMPTS]

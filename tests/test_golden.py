@@ -15,8 +15,8 @@ import pytest
 from flax import nnx
 from paths import VECTORS
 
-from peagle_jax import cache as kv
 from peagle_jax.drafter import load_drafter
+from peagle_jax.engine import cache as kv
 from peagle_jax.models.drafter import cod_rows_forward, draft_to_target, peagle_mask
 from train.loss import argmax_in_draft, draft_loss, teacher_logits
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import peagle_jax as pj
-from peagle_jax.generation import SpeculativeDecoder, generate_greedy
+from peagle_jax.engine import SpeculativeDecoder, generate_greedy
 from train.data import Example
 from train.evaluate import HeldoutSet
 from train.metrics import anchor_acceptance, clustered_mean

@@ -14,7 +14,7 @@ import pytest
 import peagle_jax as pj
 from infer import SpeculativeDecoder
 from infer.__main__ import main
-from peagle_jax.generation import largest_k
+from peagle_jax.engine import largest_k
 
 
 def _word_tokenizer(folder) -> None:

@@ -1,4 +1,4 @@
-"""The checkpoint lint (`peagle-convert inspect`, `peagle_jax.inspect`): one test per problem it
+"""The checkpoint lint (`peagle-convert inspect`, `peagle_jax.formats.inspect`): one test per problem it
 reports, the facts it shares with the importer, and the vLLM serve command. Tiny shapes, CPU only."""
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from head_folders import (
 from safetensors.numpy import load_file, save_file
 
 from peagle_jax.drafter import Drafter, load_drafter
-from peagle_jax.drafter_io import checkpoint_key, export_speculators, export_vllm, key_map
-from peagle_jax.inspect import inspect_folder
-from peagle_jax.serving import SERVE_K, serve_command, serve_k
+from peagle_jax.formats import SERVE_K, inspect_folder, serve_command, serve_k
+from peagle_jax.formats.checkpoints import checkpoint_key, export_speculators, export_vllm, key_map
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from safetensors.numpy import load_file, save_file
 
 import peagle_jax as pj
 from peagle_jax.config import ConfigError, RopeConfig
-from peagle_jax.generation import SpeculativeDecoder
+from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.models import moe as moe_mod
 from peagle_jax.models.registry import hf_config, target_config
 from peagle_jax.sharding import make_mesh, spec_for

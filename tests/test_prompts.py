@@ -8,7 +8,7 @@ import json
 import pytest
 
 from peagle_jax.chat import encode_prompt
-from peagle_jax.prompts import DATA_DIR, HUMANEVAL_TEMPLATE, load_prompts
+from peagle_jax.engine.prompts import DATA_DIR, HUMANEVAL_TEMPLATE, load_prompts
 
 
 def _is_conversation(c):

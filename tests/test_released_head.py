@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from peagle_jax.config import DrafterConfig, RopeConfig
-from peagle_jax.drafter_io import export_speculators, export_vllm, read_drafter
-from peagle_jax.inspect import inspect_folder
+from peagle_jax.config import RopeConfig
+from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.formats import export_speculators, export_vllm, inspect_folder, read_drafter
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 V, H, LAYERS, HEADS, KV, HD, INTER = 201088, 2880, 4, 64, 8, 64, 7680
@@ -186,7 +186,7 @@ def test_released_gpt_oss_20b_head_round_trips(tmp_path):
 
 def test_released_config_reads_without_weights():
     """The fast part: the released config.json alone gives the expected head (no 3 GB build)."""
-    from peagle_jax.head_config import read_vllm_config
+    from peagle_jax.formats import read_vllm_config
 
     c = read_vllm_config(released_config(), "released/config.json")
     assert (c.fc_in, c.draft_vocab_size, c.mode, c.aux_layer_ids, c.rope.type) == (

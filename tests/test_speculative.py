@@ -10,7 +10,7 @@ from sampling_law import chi2_pvalue, sample_counts
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
-from peagle_jax import speculative as sp
+from peagle_jax.engine import speculative as sp
 from peagle_jax.models import drafter as drafter_mod
 
 AUX = (0, 1, 2)
@@ -304,7 +304,7 @@ def test_vllm_head_without_aux_ids_reads_the_target_default(models, tmp_path):
     `TypeError: 'NoneType' object is not iterable`)."""
     import json
 
-    from peagle_jax.drafter_io import export_vllm
+    from peagle_jax.formats import export_vllm
 
     _, target = models["llama-gqa2-tied-llama3"]
     folder = export_vllm(pj.new_drafter(target, mode="parallel", seed=6), tmp_path / "head", dtype="float32")

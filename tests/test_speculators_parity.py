@@ -38,9 +38,10 @@ from speculators.config import SpeculatorModelConfig  # noqa: E402
 from speculators.models.peagle import PEagleDraftModel  # noqa: E402
 from speculators.models.peagle import core as peagle_core  # noqa: E402
 
-from peagle_jax.config import DrafterConfig, RopeConfig  # noqa: E402
-from peagle_jax.convert import main  # noqa: E402
+from peagle_jax.config import RopeConfig  # noqa: E402
 from peagle_jax.drafter import Drafter  # noqa: E402
+from peagle_jax.drafter_config import DrafterConfig  # noqa: E402
+from peagle_jax.formats.convert import main  # noqa: E402
 from peagle_jax.models.drafter import abstract_drafter, cod_rows_forward, flat_state  # noqa: E402
 
 V, H, HT, T = 64, 32, 32, 12

@@ -18,7 +18,7 @@ import pytest
 from paths import VECTORS
 
 import peagle_jax as pj
-from peagle_jax.generation import generate_greedy
+from peagle_jax.engine import generate_greedy
 from peagle_jax.models.registry import target_config
 
 torch = pytest.importorskip("torch")

@@ -317,7 +317,7 @@ def test_an_anchor_scores_what_the_engine_accepts_from_it(dflash_run):
     """On the target's own greedy text, a block anchored at p scores what the engine's first
     round from the prefix ids[:p] accepts (its bonus token is ids[p])."""
     import peagle_jax as pj
-    from peagle_jax.generation import SpeculativeDecoder, generate_greedy
+    from peagle_jax.engine import SpeculativeDecoder, generate_greedy
     from train.evaluate import HeldoutSet
     from train.step import features
 

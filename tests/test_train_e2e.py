@@ -85,8 +85,8 @@ def test_the_summary_advises_the_fastest_k(tiny_run, capsys):
 
 def test_export_passes_inspect_and_imports_to_identical_drafts(tiny_run, tiny_target):
     import peagle_jax as pj
-    from peagle_jax.convert import inspect_folder
-    from peagle_jax.generation import SpeculativeDecoder
+    from peagle_jax.engine import SpeculativeDecoder
+    from peagle_jax.formats import inspect_folder
 
     out, summary = tiny_run
     report = inspect_folder(summary["vllm_dir"], target=tiny_target)

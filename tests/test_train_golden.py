@@ -13,7 +13,7 @@ import pytest
 from paths import VECTORS
 
 from peagle_jax.drafter import load_drafter
-from peagle_jax.drafter_io import speculators_tensors
+from peagle_jax.formats.checkpoints import speculators_tensors
 from peagle_jax.models.drafter import param_path
 from train.step import loss_and_metrics, split_params
 

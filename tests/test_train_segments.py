@@ -17,8 +17,8 @@ import pytest
 
 from kernels.layouts import cod_sample, pad_layout
 from peagle_jax.cli import UsageError
-from peagle_jax.config import DrafterConfig
 from peagle_jax.drafter import Drafter
+from peagle_jax.drafter_config import DrafterConfig
 from train import config as C
 from train.cod import chain_rows
 from train.segments import resolve_segments, row_segments, segment_rows, segmented_loss

@@ -21,8 +21,7 @@ from safetensors.numpy import load_file, save_file
 from infer import SpeculativeDecoder
 from peagle_jax.config import ConfigError, TargetConfig
 from peagle_jax.drafter import load_drafter, new_drafter
-from peagle_jax.drafter_io import export_speculators, export_vllm, read_speculators_config
-from peagle_jax.inspect import inspect_folder
+from peagle_jax.formats import export_speculators, export_vllm, inspect_folder, read_speculators_config
 from peagle_jax.models.decoder import Decoder
 from peagle_jax.target import Target
 

@@ -18,7 +18,7 @@ pytest.importorskip("speculators", exc_type=ImportError, reason="needs the specu
 import jax.numpy as jnp  # noqa: E402
 from test_speculators_parity import ANCHOR, DEPTH, DOC_IDS, HT, TOL, V, random_drafter, speculators_logits  # noqa: E402
 
-from peagle_jax.convert import main  # noqa: E402
+from peagle_jax.formats.convert import main  # noqa: E402
 from peagle_jax.models.drafter import cod_rows_forward  # noqa: E402
 
 

@@ -244,8 +244,8 @@ def _a_file_target(target: str) -> bool:
 
 
 def _prompts_ok(prompts: str) -> bool:
-    """What `train.loop` evaluates on: synthetic, a set of `peagle_jax.prompts.load_prompts`, a file."""
-    from peagle_jax.prompts import PROMPT_SETS
+    """What `train.loop` evaluates on: synthetic, a set of `peagle_jax.engine.prompts.load_prompts`, a file."""
+    from peagle_jax.engine import PROMPT_SETS
 
     if prompts == "synthetic" or prompts.lower().replace("-", "").replace("_", "") in PROMPT_SETS:
         return True

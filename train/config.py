@@ -187,7 +187,7 @@ class EvalConfig:
     enabled: bool = True
     """Measure acceptance length and speedup on held-out prompts at the end."""
     prompts: str = "mtbench"
-    """mtbench | humaneval | a JSONL file (see peagle_jax.prompts)."""
+    """mtbench | humaneval | a JSONL file (see peagle_jax.engine.prompts)."""
     num_prompts: int = 8
     """Prompts evaluated."""
     max_new_tokens: int = 96

@@ -1,5 +1,5 @@
 """Evaluation of a trained head. `measure`: acceptance length and speedup against plain greedy
-decoding on held-out prompts (the speculative engine of `peagle_jax.generation`).
+decoding on held-out prompts (the speculative engine of `peagle_jax.engine.generation`).
 `HeldoutSet`: simulated acceptance on held-out sequences with its standard error, cheap
 enough to compare many heads (see its docstring).
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from peagle_jax.generation import SpeculativeDecoder
+from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.models.dflash import block_rows_states
 from peagle_jax.models.drafter import cod_rows_forward
 from train import cod

@@ -35,10 +35,10 @@ def _write_json(path: Path, obj) -> None:
 
 
 def serve_command(vllm_dir: Path, target_path, k_train: int, mode: str, family: str | None = None) -> str:
-    """The vLLM command line (`peagle_jax.serving.serve_command`: method eagle3, K, parallel
+    """The vLLM command line (`peagle_jax.formats.serving.serve_command`: method eagle3, K, parallel
     drafting, `--model-impl transformers` for target families whose native vLLM model does not
     capture aux states)."""
-    from peagle_jax.serving import serve_command as serve
+    from peagle_jax.formats import serve_command as serve
 
     return serve(vllm_dir, mode, k_train, family, target=str(target_path))
 
@@ -324,7 +324,7 @@ def feature_cache(cfg: C.TrainConfig, trainer: Trainer, tpath: Path):
 
 def export_head(head, out: Path, tpath: Path, cfg: C.TrainConfig):
     """(head_dir, vllm_dir, inspect report): OUT/head in our format, OUT/vllm for vLLM."""
-    from peagle_jax.convert import export_drafter
+    from peagle_jax.formats import export_drafter
 
     head_dir = head.save(out / "head")
     try:
@@ -389,7 +389,7 @@ def serving_advice(cfg: C.TrainConfig, summary: dict, records: list[dict]) -> di
 
 def measure_speed(cfg: C.TrainConfig, target, head, log) -> dict:
     """Acceptance length and speed against plain decoding on cfg.eval's prompts, per K."""
-    from peagle_jax.prompts import prompt_ids
+    from peagle_jax.engine import prompt_ids
     from train.evaluate import measure
 
     prompts = prompt_ids(target.tokenizer, _eval_conversations(cfg), max_tokens=256)
@@ -411,6 +411,6 @@ def _eval_conversations(cfg: C.TrainConfig):
     if cfg.eval.prompts == "synthetic":
         convs = D.synthetic_conversations(cfg.eval.num_prompts, seed=10_000 + cfg.data.seed)
         return [[m for m in c if m["role"] == "user"] for c in convs]
-    from peagle_jax.prompts import load_prompts
+    from peagle_jax.engine import load_prompts
 
     return load_prompts(cfg.eval.prompts, cfg.eval.num_prompts)

@@ -2,7 +2,7 @@
 continuation (the head then learns the distribution it will draft for).
 
 The prompt is the conversation up to its first assistant turn, in the trainer's format
-(`peagle_jax.chat.encode_prompt`); the answer is `peagle_jax.generation.generate_greedy` (the
+(`peagle_jax.chat.encode_prompt`); the answer is `peagle_jax.engine.generation.generate_greedy` (the
 engine's mode "none"), batched. Answers are appended to a JSONL cache (one line per
 conversation, flushed per batch), so an interrupted run continues where it stopped and a
 rerun regenerates nothing.
@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from peagle_jax.chat import encode_prompt
-from peagle_jax.generation import generate_greedy
+from peagle_jax.engine import generate_greedy
 
 __all__ = ["regenerate"]
 

@@ -15,13 +15,13 @@ rule (`kernels.AttentionSpec.block`): a block sees its document's context strict
 anchor p and all of its own rows, never another block.
 
 Inference (`write_context`, `draft_block`; the engine's mode "dflash"): the context K/V of
-every token the target has run live in a position-indexed cache (`peagle_jax.cache`); each
+every token the target has run live in a position-indexed cache (`peagle_jax.engine.cache`); each
 round writes the newly accepted tokens' K/V at their positions, then one pass runs the block
 at the next position p over the cache. Entries at positions >= p (rejected drafts of earlier
 rounds) are invisible under the block rule, so no crop is needed.
 
 Parameter names follow the checkpoint keys of both DFlash formats (speculators' and z-lab /
-vLLM's), so `peagle_jax.drafter_io` maps them one line per tensor. `embed_tokens` and `lm_head`
+vLLM's), so `peagle_jax.formats.checkpoints` maps them one line per tensor. `embed_tokens` and `lm_head`
 are the target's (frozen in training, as in speculators).
 """
 
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels
-from peagle_jax.config import DrafterConfig
+from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.models.head import DrafterOutput, DraftHead, VocabMap, layer_attention
 from peagle_jax.models.layers import MLP, Linear, RMSNorm, write_kv
 

@@ -17,7 +17,7 @@ One module serves both modes: "parallel" (P-EAGLE: masked slots read `mask_token
 own last hidden state back as g, bypassing fc; see `DrafterModel.feedback`).
 
 Parameter names follow the checkpoint keys (`layers.0.*` is vLLM's `midlayer.*`), so the
-import/export maps in `peagle_jax.drafter_io` are one line per tensor. A drafter's state as
+import/export maps in `peagle_jax.formats.checkpoints` are one line per tensor. A drafter's state as
 plain arrays is `{path tuple: array}` (`flat_state`, `state_from_arrays`, `init_arrays`): the
 form every checkpoint format reads and writes.
 """
@@ -33,7 +33,8 @@ import numpy as np
 from flax import nnx
 
 import kernels
-from peagle_jax.config import NUM_AUX, DrafterConfig
+from peagle_jax.config import NUM_AUX
+from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.dtypes import numpy_dtype
 from peagle_jax.models.dflash import DFlashModel
 from peagle_jax.models.head import (  # noqa: F401 - the vocabulary helpers are re-exported

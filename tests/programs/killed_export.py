@@ -7,7 +7,7 @@ import signal
 import sys
 
 import peagle_jax.folders as folders
-from peagle_jax.convert import main as convert_main
+from peagle_jax.formats.convert import main as convert_main
 
 
 def main(argv: list[str]) -> int:

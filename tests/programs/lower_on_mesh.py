@@ -10,8 +10,8 @@ import sys
 import numpy as np
 
 import peagle_jax as pj
-from peagle_jax import speculative as sp
-from peagle_jax.generation import SpeculativeDecoder
+from peagle_jax.engine import SpeculativeDecoder
+from peagle_jax.engine import speculative as sp
 from peagle_jax.sharding import device_mesh
 from train.config import parse_args
 from train.data import Example

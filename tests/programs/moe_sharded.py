@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 import peagle_jax as pj
-from peagle_jax.generation import SpeculativeDecoder
+from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.sharding import make_mesh
 
 

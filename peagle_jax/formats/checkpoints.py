@@ -12,9 +12,9 @@ Our own checkpoint (`drafter.json` + orbax `state/`) and two layouts of other to
   writes it: no embed_tokens, lm_head only with a draft vocabulary). Tensors: fc.weight [H, n*Ht]
   (n context layers), hidden_norm.weight [H], layers.{i}.* with q/k norms, norm, lm_head, d2t / t2d.
   A missing embed_tokens / lm_head comes from the target (`read_drafter(target_weights=...)`).
-Their config.json files are read by `peagle_jax.head_config` (DFlash keys:
-`peagle_jax.head_config_dflash`) and written by `peagle_jax.head_config_write` (both re-exported
-here). Our own checkpoint format is `peagle_jax.drafter_own` (re-exported here too).
+Their config.json files are read by `peagle_jax.formats.head_config` (DFlash keys:
+`peagle_jax.formats.head_config_dflash`) and written by `peagle_jax.formats.head_config_write` (both re-exported
+here). Our own checkpoint format is `peagle_jax.formats.own` (re-exported here too).
 
 Tensor names (PyTorch [out, in]): embed_tokens.weight [V, H], fc.weight [H, 3Ht],
 input_norm.weight [3Ht] (norm_before_fc), fc_norm.{0,1,2}.weight [Ht] (fc_norm),
@@ -46,34 +46,20 @@ from pathlib import Path
 
 import numpy as np
 
-from peagle_jax.config import NUM_AUX, ConfigError, DrafterConfig, default_aux_layer_ids, read_json
-from peagle_jax.drafter_own import (  # noqa: F401 - re-exported: the own format lives there
-    OWN_CONFIG_FILE,
-    OWN_FORMAT,
-    OWN_STATE_DIR,
-    OWN_VERSION,
-    local_checkpointer,
-    read_own,
-    write_own,
-)
+from peagle_jax.config import NUM_AUX, ConfigError, default_aux_layer_ids, read_json
+from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.dtypes import EXPORT, numpy_dtype
 from peagle_jax.folders import CONFIG_FILE, SINGLE_FILE, write_hf_folder
-from peagle_jax.head_config import head_facts, read_speculators_config, read_vllm_config
-from peagle_jax.head_config_write import speculators_config, vllm_config
+from peagle_jax.formats.head_config import head_facts, read_speculators_config, read_vllm_config
+from peagle_jax.formats.head_config_write import speculators_config, vllm_config
+from peagle_jax.formats.own import OWN_CONFIG_FILE, read_own
+from peagle_jax.formats.serving import resolve_verifier, target_facts
 from peagle_jax.models.drafter import abstract_drafter, check_d2t, flat_state, t2d_from_d2t
-from peagle_jax.serving import resolve_verifier, target_facts
 
 __all__ = [
     "DrafterIOError",
     "detect_format",
     "read_drafter",
-    "read_own",
-    "write_own",
-    "OWN_CONFIG_FILE",
-    "read_vllm_config",
-    "read_speculators_config",
-    "vllm_config",
-    "speculators_config",
     "key_map",
     "checkpoint_key",
     "checkpoint_shape",
@@ -448,7 +434,7 @@ def speculators_tensors(config: DrafterConfig, arrays: dict, dtype="bfloat16") -
 def export_vllm(head, out: str | os.PathLike, dtype="bfloat16", *, overwrite: bool = False) -> Path:
     """vLLM-native folder of `head` (anything with `.config` and `.arrays()`, e.g. a Drafter):
     `midlayer.*`, mask id under all three keys. Serve it with the command
-    `peagle_jax.inspect.serve_command` prints."""
+    `peagle_jax.formats.inspect.serve_command` prints."""
     c = head.config
     return write_hf_folder(out, vllm_config(c, dtype), vllm_tensors(c, head.arrays(), dtype), overwrite=overwrite)
 

@@ -1,14 +1,15 @@
 """`DrafterConfig` -> the config.json of a vLLM-native or a speculators head (the reader, with the
-semantics both tools give these keys, is `peagle_jax.head_config`). DFlash heads (mode
+semantics both tools give these keys, is `peagle_jax.formats.head_config`). DFlash heads (mode
 "dflash") get their own layouts: `DFlashDraftModel` with `dflash_config` (z-lab ids, ours - 1)
-for vLLM, `speculators_model_type: "dflash"` for speculators (`peagle_jax.head_config_dflash`)."""
+for vLLM, `speculators_model_type: "dflash"` for speculators (`peagle_jax.formats.head_config_dflash`)."""
 
 from __future__ import annotations
 
-from peagle_jax.config import DrafterConfig, RopeConfig
+from peagle_jax.config import RopeConfig
 from peagle_jax.config_fields import ConfigError
+from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.dtypes import EXPORT, dtype_name
-from peagle_jax.head_config import (
+from peagle_jax.formats.head_config import (
     AUX_KEY,
     DEFAULT_K_TRAIN,
     EXTRA_KEY,
@@ -16,7 +17,7 @@ from peagle_jax.head_config import (
     SPECULATORS_ARCH,
     SPECULATORS_VERSION,
 )
-from peagle_jax.head_config_dflash import DFLASH_ARCH, DFLASH_SPECULATORS_ARCH, DFLASH_TYPE
+from peagle_jax.formats.head_config_dflash import DFLASH_ARCH, DFLASH_SPECULATORS_ARCH, DFLASH_TYPE
 from peagle_jax.models.registry import architecture_of
 
 __all__ = ["vllm_config", "speculators_config", "dflash_vllm_config", "dflash_speculators_config"]

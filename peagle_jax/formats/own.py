@@ -1,6 +1,6 @@
 """Our own drafter checkpoint: `drafter.json` (format, version, dtype, the DrafterConfig) and
 an orbax `state/` folder, written to a temporary sibling and renamed into place. Every head
-family (P-EAGLE, EAGLE-3, DFlash) is saved the same way; `peagle_jax.drafter_io` re-exports
+family (P-EAGLE, EAGLE-3, DFlash) is saved the same way; `peagle_jax.formats.checkpoints` re-exports
 these names and reads the other tools' formats."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from peagle_jax.config import ConfigError, DrafterConfig, read_json
+from peagle_jax.config import ConfigError, read_json
+from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.dtypes import dtype_name
 from peagle_jax.folders import atomic_folder, check_destination
 from peagle_jax.models.drafter import abstract_drafter, state_from_arrays

@@ -5,13 +5,13 @@
 ``source`` is one of:
 
 ``"mtbench"``
-    The 80 MT-Bench questions (FastChat, Apache-2.0, vendored in ``peagle_jax/data``). Only the
+    The 80 MT-Bench questions (FastChat, Apache-2.0, vendored in ``peagle_jax/engine/data``). Only the
     **first user turn** of each question becomes a conversation: the second turn is a follow-up
     to the model's own first answer, which a prompt set fixed ahead of generation does not have,
     and the first turns alone cover all 8 categories (writing, roleplay, reasoning, math,
     coding, extraction, stem, humanities; 10 each). File order (question_id 81..160).
 ``"humaneval"``
-    The 164 HumanEval problems (OpenAI, MIT, vendored in ``peagle_jax/data``), each as one user turn::
+    The 164 HumanEval problems (OpenAI, MIT, vendored in ``peagle_jax/engine/data``), each as one user turn::
 
         Complete the following Python function:
         ```python

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_jax.config import ConfigError, read_json
-from peagle_jax.head_config import AUX_KEY, rope_params
+from peagle_jax.formats.head_config import AUX_KEY, rope_params
 from peagle_jax.models.registry import ARCHITECTURES, MODEL_TYPES, VLLM_EAGLE3_NATIVE
 
 __all__ = [

@@ -3,7 +3,7 @@
 
 Prompts (token ids, strings, or chat conversations) are tokenized with the target's
 tokenizer (`peagle_jax.chat`), right-padded into a batch bucket, and decoded by the engine of
-`peagle_jax.speculative` in one device loop. Shapes are bucketed (batch to a power of two,
+`peagle_jax.engine.speculative` in one device loop. Shapes are bucketed (batch to a power of two,
 prompt and cache lengths to multiples of 64), so repeated calls reuse compiled code.
 `infer` re-exports `SpeculativeDecoder` as the public inference API.
 """
@@ -21,10 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax import cache as kv
 from peagle_jax import chat
-from peagle_jax import speculative as sp
 from peagle_jax.config import NUM_AUX, validate_aux_layer_ids
+from peagle_jax.engine import cache as kv
+from peagle_jax.engine import speculative as sp
 from peagle_jax.sharding import shard_state
 
 Prompt = Sequence[int] | str | Sequence[dict]

@@ -1,8 +1,8 @@
 """The checkpoint lint (`peagle-convert inspect DIR`): what a drafter folder is, and everything
 that would stop vLLM (0.33) from serving it or silently cost acceptance.
 
-A folder's config.json is read once, by `peagle_jax.head_config.head_facts` (the same facts the
-importer validates), its tensors checked by the importer's `drafter_io.check_tensors` (headers,
+A folder's config.json is read once, by `peagle_jax.formats.head_config.head_facts` (the same facts the
+importer validates), its tensors checked by the importer's `checkpoints.check_tensors` (headers,
 plus the small d2t / t2d), and every float tensor read once, one at a time, for NaN / Inf. The
 report lists `problems` (vLLM refuses the folder or serves it wrong: a missing tensor, which
 vLLM's EAGLE-3 loader leaves at its random init; a shape; non-finite weights; d2t in a
@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from peagle_jax.cli import one_line
-from peagle_jax.config import NUM_AUX, ConfigError, DrafterConfig, read_json
-from peagle_jax.drafter_io import FLOAT_DTYPES, OWN_CONFIG_FILE, OWN_STATE_DIR, check_tensors, read_own
+from peagle_jax.config import NUM_AUX, ConfigError, read_json
+from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.folders import CONFIG_FILE
-from peagle_jax.head_config import (
+from peagle_jax.formats.checkpoints import FLOAT_DTYPES, check_tensors
+from peagle_jax.formats.head_config import (
     AUX_KEY,
     MASK_ID_KEYS,
     HeadFacts,
@@ -35,10 +36,11 @@ from peagle_jax.head_config import (
     layer_windows,
     rope_params,
 )
-from peagle_jax.head_config_write import speculators_config, vllm_config
-from peagle_jax.inspect_dflash import check_dflash, dflash_tensor_findings, serve_depth, settled_dflash
-from peagle_jax.inspect_report import format_report
-from peagle_jax.serving import is_hub_id, resolve_verifier, serve_command, target_facts, target_findings
+from peagle_jax.formats.head_config_write import speculators_config, vllm_config
+from peagle_jax.formats.inspect_dflash import check_dflash, dflash_tensor_findings, serve_depth, settled_dflash
+from peagle_jax.formats.inspect_report import format_report
+from peagle_jax.formats.own import OWN_CONFIG_FILE, OWN_STATE_DIR, read_own
+from peagle_jax.formats.serving import is_hub_id, resolve_verifier, serve_command, target_facts, target_findings
 
 __all__ = ["inspect_folder", "format_report", "InspectError"]
 
@@ -341,7 +343,7 @@ def _tensor_config(f: HeadFacts, mode: str, fnd: _Findings) -> DrafterConfig | N
 # ---------------------------------------------------------------------------------------
 # tensors
 def _check_tensors(ckpt, cfg: DrafterConfig | None, mode: str, fnd: _Findings, report: dict, shown_as) -> None:
-    """The importer's tensor check (`drafter_io.check_tensors`), every finding reported, plus
+    """The importer's tensor check (`checkpoints.check_tensors`), every finding reported, plus
     what vLLM needs beyond it. `shown_as`: a message with the folder under its shown name."""
     keys = set(ckpt.keys())
     if any(k.startswith("midlayer.") for k in keys):

@@ -1,6 +1,6 @@
 """`python -m peagle_jax.convert` (console script `peagle-convert`): drafter and target checkpoints
 between this project and the formats vLLM serves (docs/method.md section 6). The CLI only:
-the formats are `peagle_jax.drafter_io` / `peagle_jax.head_config`, the lint `peagle_jax.inspect`.
+the formats are `peagle_jax.formats.checkpoints` / `peagle_jax.formats.head_config`, the lint `peagle_jax.formats.inspect`.
 
 ```
 peagle-convert export CKPT OUT --format vllm|speculators [--dtype bfloat16|float32]
@@ -18,12 +18,12 @@ peagle-convert import-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-s
   temporary sibling and renamed at the end; it is inspected there first and refused (nothing
   written) when `inspect` would report a problem, unless `--force`. With `--target`, a
   `max_position_embeddings` below the target's is raised to it. Prints the vLLM serve command
-  (`peagle_jax.inspect.serve_command`: K = the trained depth capped at 7, P-EAGLE's best served K).
+  (`peagle_jax.formats.inspect.serve_command`: K = the trained depth capped at 7, P-EAGLE's best served K).
 - `import`: a vLLM-native or speculators folder (EAGLE-3, P-EAGLE or DFlash) -> our checkpoint
   (`drafter.json` + `state/`); a DFlash head saved without embed_tokens / lm_head (speculators)
   takes them from `--target DIR`. DFlash exports: `DFlashDraftModel` with `dflash_config`
   (vLLM native, z-lab ids = ours - 1) or speculators "dflash"; served with `"method": "dflash"`,
-  K = block_size - 1. `inspect`: the lint (`peagle_jax.inspect`); exit 1 on a problem.
+  K = block_size - 1. `inspect`: the lint (`peagle_jax.formats.inspect`); exit 1 on a problem.
 - `export-target` / `import-target`: a target model's Hugging Face folder, loaded and validated
   (every tensor consumed, every shape checked) and written back by this project
   (`weights.target_tensors` + `registry.hf_config`, tokenizer files copied): the HF round trip.
@@ -44,10 +44,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from peagle_jax import drafter_io
 from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run
 from peagle_jax.config import ConfigError
-from peagle_jax.drafter_io import OWN_CONFIG_FILE
 from peagle_jax.folders import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD,
@@ -57,8 +55,11 @@ from peagle_jax.folders import (
     unwritable,
     write_hf_folder,
 )
-from peagle_jax.inspect import format_report, inspect_folder
-from peagle_jax.serving import SERVE_K, resolve_verifier, target_facts
+from peagle_jax.formats.checkpoints import read_drafter, speculators_tensors, vllm_tensors
+from peagle_jax.formats.head_config_write import speculators_config, vllm_config
+from peagle_jax.formats.inspect import format_report, inspect_folder
+from peagle_jax.formats.own import OWN_CONFIG_FILE, write_own
+from peagle_jax.formats.serving import SERVE_K, resolve_verifier, target_facts
 
 __all__ = [
     "main",
@@ -102,7 +103,7 @@ def check_output(src: str | os.PathLike, out: str | os.PathLike) -> Path:
 # ---------------------------------------------------------------------------------------
 # drafters
 def _read_head(path: str | os.PathLike, target=None):
-    """(config, arrays) of our checkpoint or any head folder `drafter_io.read_drafter` reads;
+    """(config, arrays) of our checkpoint or any head folder `checkpoints.read_drafter` reads;
     `target` (a folder): where a head's missing target-shared tensors come from."""
     p = Path(path)
     if not p.exists():
@@ -114,7 +115,7 @@ def _read_head(path: str | os.PathLike, target=None):
             f"{p}: holds neither {OWN_CONFIG_FILE} (our checkpoint) nor {CONFIG_FILE} (a vLLM / speculators folder)"
         )
     usable = target is not None and Path(target).is_dir()  # a bad --target is reported by its check
-    config, arrays, _ = drafter_io.read_drafter(p, **(_target_sources(Path(target)) if usable else {}))
+    config, arrays, _ = read_drafter(p, **(_target_sources(Path(target)) if usable else {}))
     return config, arrays
 
 
@@ -166,9 +167,9 @@ def export_drafter(
     if verifier is not None:
         cfg = dataclasses.replace(cfg, verifier=verifier)
     if fmt == "vllm":
-        config, tensors = drafter_io.vllm_config(cfg, dtype), drafter_io.vllm_tensors(cfg, arrays, dtype)
+        config, tensors = vllm_config(cfg, dtype), vllm_tensors(cfg, arrays, dtype)
     else:
-        config, tensors = drafter_io.speculators_config(cfg, dtype), drafter_io.speculators_tensors(cfg, arrays, dtype)
+        config, tensors = speculators_config(cfg, dtype), speculators_tensors(cfg, arrays, dtype)
     report: dict = {}
 
     def check(tmp: Path) -> None:
@@ -235,8 +236,8 @@ def import_drafter_folder(
     sources = {} if target is None else _target_sources(Path(target))
     if not (p / OWN_CONFIG_FILE).exists() and not (p / CONFIG_FILE).exists():
         raise ConvertError(f"{p / CONFIG_FILE}: no such file (not a vLLM / speculators drafter folder)")
-    config, arrays, _ = drafter_io.read_drafter(p, **sources)
-    drafter_io.write_own(dest, config, arrays, dtype)
+    config, arrays, _ = read_drafter(p, **sources)
+    write_own(dest, config, arrays, dtype)
     return config
 
 
@@ -265,8 +266,7 @@ def convert_target(
     (config.json + safetensors, sharded above `max_shard_size`, tokenizer files copied).
     dtype "auto" keeps bfloat16 sources in bfloat16 and reads everything else as float32."""
     from peagle_jax.models.registry import hf_config, target_config
-    from peagle_jax.target import TOKENIZER_FILES
-    from peagle_jax.weights import load_params, target_tensors, tensors_dtype_name
+    from peagle_jax.weights import TOKENIZER_FILES, load_params, target_tensors, tensors_dtype_name
 
     p = Path(src)
     if not p.exists():

@@ -1,4 +1,4 @@
-"""The lint's report as text (what `peagle-convert inspect` prints; `peagle_jax.inspect`
+"""The lint's report as text (what `peagle-convert inspect` prints; `peagle_jax.formats.inspect`
 builds the report and re-exports `format_report`). DFlash heads add their block size and the
 drafts a pass (block_size - 1)."""
 

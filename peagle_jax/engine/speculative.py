@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels
-from peagle_jax import cache as kv
+from peagle_jax.engine import cache as kv
 from peagle_jax.models.drafter import draft_to_target
 from peagle_jax.sharding import kernels_partitioned
 
@@ -344,7 +344,7 @@ def jit_prefill(
     drafter_cache_shape,
     key,
 ) -> DecodeState:
-    """Allocates both caches (`peagle_jax.cache` specs) and runs `prefill`."""
+    """Allocates both caches (`peagle_jax.engine.cache` specs) and runs `prefill`."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     with kernels_partitioned(cfg.mesh):
         return prefill(

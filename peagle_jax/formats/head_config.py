@@ -4,8 +4,8 @@
 layer config's location, mask-id keys, aux ids at the top level or in `eagle_config`, K hints,
 verifier, norm flags). The strict reader (`drafter_config`, `read_vllm_config`,
 `read_speculators_config`) validates those facts into a DrafterConfig and raises ConfigError
-naming the file and key; the checkpoint lint (`peagle_jax.inspect`) turns the same facts into
-problems and warnings; `peagle_jax.head_config_write` writes them back. Constants: the
+naming the file and key; the checkpoint lint (`peagle_jax.formats.inspect`) turns the same facts into
+problems and warnings; `peagle_jax.formats.head_config_write` writes them back. Constants: the
 vLLM architectures of heads, speculators types, MASK_ID_KEYS, AUX_KEY, LAYER_FLAGS.
 
 Semantics taken from vLLM (the serving contract) where the tools differ:
@@ -21,14 +21,14 @@ Semantics taken from vLLM (the serving contract) where the tools differ:
   them with `use_sliding_window`, which must agree with them (`layer_windows`).
 - DFlash heads (speculators_model_type "dflash", vLLM architecture `DFlashDraftModel`): the same
   facts plus `HeadFacts.dflash` (block size, mask id and context-layer keys as written), read
-  and checked by `peagle_jax.head_config_dflash` (z-lab's target_layer_ids are ours - 1).
+  and checked by `peagle_jax.formats.head_config_dflash` (z-lab's target_layer_ids are ours - 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from peagle_jax.config import NUM_AUX, DrafterConfig, RopeConfig, validate_aux_layer_ids
+from peagle_jax.config import NUM_AUX, RopeConfig, validate_aux_layer_ids
 from peagle_jax.config_fields import (
     HEAD_FIELDS,
     HEAD_LAYER_FIELDS,
@@ -37,7 +37,8 @@ from peagle_jax.config_fields import (
     check_attention,
     check_fields,
 )
-from peagle_jax.head_config_dflash import (
+from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.formats.head_config_dflash import (
     DFLASH_ARCH,
     DFLASH_TYPE,
     dflash_aux,
@@ -403,7 +404,7 @@ def _aux(f: HeadFacts):
 
 def drafter_config(f: HeadFacts) -> DrafterConfig:
     """The DrafterConfig of a head's facts; ConfigError naming the file and key on anything
-    invalid. aux_layer_ids stay None when the config names none (see `drafter_io.read_drafter`)."""
+    invalid. aux_layer_ids stay None when the config names none (see `checkpoints.read_drafter`)."""
     conflicts = f.conflicts()
     if conflicts:
         raise ConfigError(f"{f.where}: {conflicts[0]}")

@@ -1,4 +1,4 @@
-"""The lint's DFlash rules (`peagle_jax.inspect` calls them for a head whose mode is "dflash"):
+"""The lint's DFlash rules (`peagle_jax.formats.inspect` calls them for a head whose mode is "dflash"):
 what vLLM's `DFlashDraftModel` needs of a head folder beyond the shared checks.
 
 - `block_size` an int >= 2 (vLLM drafts block_size - 1 tokens a pass), `sample_from_anchor` off.
@@ -8,7 +8,7 @@ what vLLM's `DFlashDraftModel` needs of a head folder beyond the shared checks.
   `dflash_config.target_layer_ids` + 1 fallback (a note).
 - embed_tokens / a full-vocabulary lm_head may be absent: vLLM shares the target's (notes). The
   tensor table itself (every layer tensor, fc [H, n*Ht], d2t against the vocabulary) is the
-  importer's `drafter_io.check_tensors`, as for every head.
+  importer's `checkpoints.check_tensors`, as for every head.
 
 `fnd`: the lint's findings (problem / warn / note methods).
 """
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from peagle_jax.head_config import HeadFacts
-from peagle_jax.head_config_dflash import (
+from peagle_jax.formats.head_config import HeadFacts
+from peagle_jax.formats.head_config_dflash import (
     EAGLE_AUX_KEY,
     SPEC_AUX_KEY,
     TARGET_IDS_KEY,

@@ -1,0 +1,44 @@
+"""The formats: what vLLM, speculators and this project keep on disk for a head.
+
+Reading and writing heads (`read_drafter`, `write_own`, `export_vllm`, `export_speculators`),
+their config.json facts (`read_vllm_config`, `read_speculators_config`), the lint that says
+what vLLM would trip on (`inspect_folder`, `format_report`), the serve command
+(`serve_command`), and the converter command line (`python -m peagle_jax.convert`). Everything
+here works on (DrafterConfig, {path: array}); it never runs a head (`peagle_jax.engine`).
+"""
+
+from peagle_jax.formats.checkpoints import (
+    DrafterIOError,
+    detect_format,
+    export_speculators,
+    export_vllm,
+    read_drafter,
+)
+from peagle_jax.formats.convert import ConvertError, export_drafter, import_drafter_folder
+from peagle_jax.formats.head_config import read_speculators_config, read_vllm_config
+from peagle_jax.formats.inspect import format_report, inspect_folder, non_finite
+from peagle_jax.formats.own import OWN_CONFIG_FILE, read_own, write_own
+from peagle_jax.formats.serving import SERVE_K, serve_command, serve_k, target_facts
+
+__all__ = [
+    "OWN_CONFIG_FILE",
+    "SERVE_K",
+    "ConvertError",
+    "DrafterIOError",
+    "detect_format",
+    "export_drafter",
+    "export_speculators",
+    "export_vllm",
+    "format_report",
+    "import_drafter_folder",
+    "inspect_folder",
+    "non_finite",
+    "read_drafter",
+    "read_own",
+    "read_speculators_config",
+    "read_vllm_config",
+    "serve_command",
+    "serve_k",
+    "target_facts",
+    "write_own",
+]

@@ -29,7 +29,7 @@ lint: $(VENV)/.installed-test
 # tests run in parallel workers (most of a test's time is single-threaded XLA compilation), one file
 # per worker at a time so that module fixtures (models, reference runs) are built once
 test: lint
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25
 
 # the minutes-long checks the default run leaves out (the released-size head, the MoE matrix)
 test-slow: $(VENV)/.installed-test

@@ -388,6 +388,8 @@ def run_stage(run: Run, name: str) -> dict:
         return {"status": skip, "seconds": 0.0}
     if args.fail_stage == name:  # tests: this stage's child fails as a crashing one would
         cmds = [[sys.executable, "-c", f"raise SystemExit('forced failure (--fail-stage {name})')"]]
+    if args.hang_stage == name:  # tests: this stage's child outlives any budget
+        cmds = [[sys.executable, "-c", "import time; time.sleep(86400)"]]
     print(f"[device] {name}: up to {seconds:.0f} s", flush=True)
     t0 = time.monotonic()
     rec = run_commands(cmds, seconds, run.path("logs", f"{name}.log"), env)
@@ -432,6 +434,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="CPU dry run of every stage at tiny sizes (< 90 s)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"stages to run (default: all of {','.join(STAGES)})")
     p.add_argument("--fail-stage", choices=STAGES, help="testing: make this stage's child fail")
+    p.add_argument("--hang-stage", choices=STAGES, help="testing: make this stage's child hang past its budget")
     args = p.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
     if bad := [s for s in args.stages if s not in STAGES]:

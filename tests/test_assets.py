@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from limits import HANG_S
 
 from peagle_jax import assets
 from peagle_jax.assets import Asset, AssetError, prepare
@@ -23,7 +24,7 @@ def _run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         env=env,
     )
 

@@ -14,6 +14,7 @@ import sys
 import hf_tiny
 import pytest
 from head_folders import V, hand_tensors, speculators_cfg, vllm_config, write_folder
+from limits import HANG_S
 
 import peagle_jax as pj
 from infer.__main__ import main
@@ -312,7 +313,7 @@ def test_infer_cli_bad_target_config_is_one_line_exit_1(raw_configs, tmp_path):
     path.parent.mkdir()
     path.write_text(json.dumps(_edited(raw_configs["qwen3"], {"hidden_size": "1024"})))
     cmd = [sys.executable, "-m", "infer", "generate", "--target", str(path.parent), "--mode", "none"]
-    proc = subprocess.run(cmd + ["--prompt-ids", "1,2"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd + ["--prompt-ids", "1,2"], capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
     line = _one_error_line(proc.stderr)
@@ -323,7 +324,7 @@ def test_infer_cli_corrupt_tokenizer_is_one_line_exit_1(built, tmp_path):
     folder = shutil.copytree(built(KINDS["llama"])[0], tmp_path / "target")
     (folder / "tokenizer.json").write_text('{"truncated": ')
     cmd = [sys.executable, "-m", "infer", "generate", "--target", str(folder), "--mode", "none", "--prompt", "hi"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 1, proc.stderr
     line = _one_error_line(proc.stderr)
     assert line.startswith(f"error: {folder / 'tokenizer.json'}: unreadable tokenizer file, invalid JSON ("), line

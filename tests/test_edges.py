@@ -15,6 +15,7 @@ import hf_tiny
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from limits import HANG_S
 
 import peagle_jax as pj
 from infer.__main__ import main as infer_main
@@ -107,7 +108,7 @@ def test_sigterm_during_a_write_removes_the_temporary(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert proc.returncode == 130, proc.stderr
     assert list(tmp_path.iterdir()) == []
@@ -267,7 +268,7 @@ def test_terminated_cli_exits_cleanly(tiny):
             break
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
-    assert proc.wait(timeout=120) == 130
+    assert proc.wait(timeout=HANG_S) == 130
     assert "error: interrupted" in rest
 
 
@@ -306,7 +307,7 @@ def test_killed_export_leaves_no_temporary(tiny, tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert proc.returncode == 130, proc.stderr
     assert "interrupted" in proc.stderr, proc.stderr

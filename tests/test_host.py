@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "tests" / "programs" / "page_faults.py"
@@ -20,7 +21,7 @@ def faults_per_allocation(mode: str) -> int:
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     return int(out.stdout.split()[-1])

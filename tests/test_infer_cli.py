@@ -10,6 +10,7 @@ import sys
 
 import hf_tiny
 import pytest
+from limits import HANG_S
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
@@ -126,7 +127,7 @@ def test_errors_are_one_line_and_nonzero(assets, tmp_path):
         "--prompt",
         "w1",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 1  # the work failed: a folder it cannot use
     assert proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
@@ -137,7 +138,7 @@ def test_errors_are_one_line_and_nonzero(assets, tmp_path):
         [sys.executable, "-m", "infer", "generate", "--target", str(root / "target"), "--prompt", "w1"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert no_drafter.returncode == 2
     assert "--drafter" in no_drafter.stderr

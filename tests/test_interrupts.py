@@ -6,6 +6,7 @@ again), never a crash at shutdown; an interrupted training run resumes from its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGNALS = {"SIGINT": signal.SIGINT, "SIGTERM": signal.SIGTERM}
@@ -43,17 +45,29 @@ def train_command(out: Path, steps: int, target: Path | None = None) -> list[str
     return [sys.executable, "-m", "train", *flags]
 
 
+def catches(pid: int, sig) -> bool:
+    """The process has its own handler for `sig` installed (/proc/PID/status SigCgt): the CLI is up."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (int(sig) - 1) & 1)
+    return False
+
+
 def interrupt(cmd: list[str], sig, ready, logs: Path) -> subprocess.CompletedProcess:
-    """Run `cmd`, send `sig` once `ready(stderr so far)` holds (polled), wait for the end."""
+    """Run `cmd`, send `sig` once its handler is installed and `ready(stderr so far)` holds
+    (polled), wait for the end."""
     err_path = logs / "stderr.txt"
     with err_path.open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err, text=True)
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + HANG_S
+        while proc.poll() is None and time.monotonic() < deadline and not catches(proc.pid, sig):
+            time.sleep(0.01)
         while not ready(err_path.read_text()) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert proc.poll() is None, "the command ended before the signal was sent"
         proc.send_signal(sig)
-        proc.wait(timeout=120)
+        proc.wait(timeout=HANG_S)
     return subprocess.CompletedProcess(cmd, proc.returncode, "", err_path.read_text())
 
 
@@ -90,11 +104,11 @@ def test_train_interrupted_while_training_resumes(tmp_path, tiny_run, name="SIGI
         env=ENV,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert again.returncode == 1  # loop.steps changed: refused, naming it
     assert "loop.steps" in again.stderr
-    resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == checkpoints[-1]
@@ -117,7 +131,20 @@ def test_infer_bench_interrupted(tmp_path, tiny_run, name, phase):
     assert not (tmp_path / "b.json").exists()
 
 
-STARTUP_DELAYS = (0.25, 0.5)  # after the interpreter is up: while the CLI imports its libraries
+def after(delay: float):
+    """A `ready` that holds `delay` seconds after its first call (the first poll once the CLI's
+    handlers are installed), whatever the machine's speed before that."""
+    start: list[float] = []
+
+    def ready(_stderr: str) -> bool:
+        if not start:
+            start.append(time.monotonic())
+        return time.monotonic() - start[0] >= delay
+
+    return ready
+
+
+STARTUP_DELAYS = (0.25, 0.5)  # after the CLI installed its handlers: while it imports its libraries
 
 
 @pytest.mark.parametrize("delay", STARTUP_DELAYS)
@@ -130,5 +157,5 @@ def test_interrupted_while_importing(tmp_path, tiny_run, name, delay):
         [sys.executable, "-m", "infer", "generate", "--target", str(target), "--prompt-ids", "1,2", "--mode", "none"],
         train_command(tmp_path / f"out-{delay}", 4, target),
     ):
-        res = interrupt(cmd, SIGNALS[name], lambda err, t0=time.monotonic(): time.monotonic() - t0 >= delay, tmp_path)
+        res = interrupt(cmd, SIGNALS[name], after(delay), tmp_path)
         assert_interrupted(res)

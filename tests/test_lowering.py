@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import xla_env
+from limits import HANG_S
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
@@ -91,7 +92,7 @@ PARTITION_PROGRAM = Path(__file__).resolve().parent / "programs" / "partitioned_
 
 def run_on_8_devices(*args) -> dict:
     env = {**xla_env.simulated_devices(8), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    res = subprocess.run([sys.executable, *map(str, args)], env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, *map(str, args)], env=env, capture_output=True, text=True, timeout=HANG_S)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import xla_env
 from flax import nnx
+from limits import HANG_S
 from safetensors.numpy import load_file, save_file
 
 import peagle_jax as pj
@@ -370,7 +371,7 @@ def test_expert_parallel_engine_equals_single_device(loaded):
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

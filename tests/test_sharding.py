@@ -10,6 +10,7 @@ from pathlib import Path
 
 import hf_tiny
 import xla_env
+from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "tests" / "programs" / "sharded_engine.py"
@@ -19,7 +20,7 @@ def test_sharded_engine_equals_single_device(tmp_path):
     hf_tiny.build("llama-gqa2-tied-llama3", tmp_path / "t")
     env = {**xla_env.simulated_devices(8), "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, str(PROGRAM), str(tmp_path / "t")], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(PROGRAM), str(tmp_path / "t")], env=env, capture_output=True, text=True, timeout=HANG_S
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

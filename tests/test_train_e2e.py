@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from limits import HANG_S
 
 from train.config import parse_args
 from train.loop import run
@@ -139,7 +140,12 @@ def _cli(out, target, *extra, kill_after: int | None = None):
         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
     }
     return subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, **cache, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, **cache, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
     )
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import train_runs
 import xla_env
+from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = [(2, 2, 2), (8, 1, 1), (1, 8, 1), (1, 4, 2)]
@@ -35,7 +36,7 @@ def eight_devices(tmp_path_factory, meshes):
         env=env,
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=HANG_S,
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

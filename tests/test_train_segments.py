@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from limits import HANG_S
 
 from kernels.layouts import cod_sample, pad_layout
 from peagle_jax.cli import UsageError
@@ -189,7 +190,7 @@ def test_cli_segments_4_logs_the_losses_of_segments_1(tmp_path, tiny_target, cap
         )
         for s in (1, 4)
     }  # both at once: each is mostly one thread of compile and Python
-    logs = {s: p.communicate(timeout=300)[0] for s, p in runs.items()}
+    logs = {s: p.communicate(timeout=HANG_S)[0] for s, p in runs.items()}
     for s, p in runs.items():
         assert p.returncode == 0, logs[s][-2000:]
     recs = {

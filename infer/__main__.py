@@ -35,6 +35,8 @@ def _number(kind, lo, hi, what: str):
 positive_int = _number(int, 1, float("inf"), "a positive integer")
 non_negative_float = _number(float, 0.0, 1e30, "a finite number >= 0")
 probability = _number(float, 1e-30, 1.0, "a number in (0, 1]")
+SEED_MAX = 2**63 - 1  # = peagle_jax.engine.generation.SEED_MAX (jax.random.key's int64); not imported: no JAX yet
+seed_int = _number(int, 0, SEED_MAX, "an integer in [0, 2**63 - 1] (what jax.random.key accepts)")
 
 
 def k_list(text: str) -> list[int]:
@@ -79,7 +81,7 @@ def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens per prompt at most")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="sampling seed, in [0, 2**63 - 1]")
     p.add_argument(
         "--deep-k", default="error", choices=["error", "warn"], help="k above the drafter's trained depth: fail or warn"
     )

@@ -234,7 +234,10 @@ def run_bench(args, target, heads: list[Head], stop_token_ids=None) -> dict:
         result.update({key: v for key, v in result["runs"][0].items() if key != "prompts"})
     _print(result)
     if args.json_out:
-        atomic_write_text(args.json_out, json.dumps(result, indent=1))
+        try:
+            atomic_write_text(args.json_out, json.dumps(result, indent=1))
+        except OSError as err:  # its temporary sibling's name would mean nothing to the user
+            raise OSError(f"--json {args.json_out}: cannot write it ({err.strerror or err})") from None
     return result
 
 

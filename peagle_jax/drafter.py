@@ -109,11 +109,14 @@ class Drafter:
             f"draft_vocab={c.draft_vocab_size}, mask_token_id={c.mask_token_id}, dtype={self.dtype})"
         )
 
-    def save(self, path: str | os.PathLike) -> Path:
+    def save(self, path: str | os.PathLike, *, allow_non_finite: bool = False) -> Path:
         """Own checkpoint: path/drafter.json (config) + path/state (orbax). Written to a
         temporary sibling folder, then renamed into place; an existing drafter checkpoint
-        (or empty folder) at `path` is replaced, anything else is refused."""
-        self.path = write_own(path, self.config, self.arrays(), dtype_name(self.dtype))
+        (or empty folder) at `path` is replaced, anything else is refused. A head with NaN / Inf
+        weights is refused (ValueError naming the tensor) unless `allow_non_finite=True`."""
+        self.path = write_own(
+            path, self.config, self.arrays(), dtype_name(self.dtype), allow_non_finite=allow_non_finite
+        )
         return self.path
 
 

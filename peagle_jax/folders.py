@@ -41,8 +41,8 @@ def check_destination(dest: Path, overwrite: bool, marker: str) -> None:
 
 def unwritable(path: Path, want: str) -> str | None:
     """Why nothing of kind `want` ("file" or "folder") can be written at `path` (None: it can):
-    `path` is not the other kind, and its nearest existing parent is a writable folder (missing
-    parents are created)."""
+    `path` is not the other kind, and its nearest existing parent is a folder where a file can be
+    created (tried: a probe file made and removed; missing parents are created)."""
     path = Path(path).absolute()
     if path.exists() and path.is_dir() != (want == "folder"):
         return f"exists and is a {'folder' if path.is_dir() else 'file'}, not a {want}"
@@ -51,6 +51,12 @@ def unwritable(path: Path, want: str) -> str | None:
         return f"{parent} is a file, not a folder"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"folder {parent} is not writable"
+    try:  # os.access says yes to root everywhere (/proc, a read-only mount): try it
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".peagle-probe-")
+    except OSError as err:
+        return f"folder {parent} is not writable (creating a file there fails: {err.strerror or err})"
+    os.close(fd)
+    os.unlink(probe)
     return None
 
 

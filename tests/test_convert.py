@@ -38,6 +38,7 @@ from head_folders import (
     write_folder,
     write_target_config,
 )
+from limits import HANG_S
 from safetensors.numpy import load_file, save_file
 
 from peagle_jax.config import RopeConfig
@@ -184,14 +185,14 @@ def test_subprocess_cli(own, tmp_path):
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert res.returncode == 0, res.stderr
     assert "wrote" in res.stdout
     assert "error" not in res.stderr
     assert "warning" not in res.stderr
     res = subprocess.run(
-        cmd + ["inspect", str(tmp_path / "x"), "--json"], capture_output=True, text=True, cwd=REPO, timeout=120
+        cmd + ["inspect", str(tmp_path / "x"), "--json"], capture_output=True, text=True, cwd=REPO, timeout=HANG_S
     )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
@@ -711,7 +712,7 @@ def test_import_chain_head_without_embeddings_takes_the_targets(tmp_path, capsys
         vocab_size=V,
         hidden_size=H,
         intermediate_size=INTER,
-        num_hidden_layers=2,
+        num_hidden_layers=6,  # the head reads aux layers (1, 3, 5): import checks them
         num_attention_heads=HEADS,
         num_key_value_heads=KV,
         head_dim=HD,

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax import chat
-from peagle_jax.config import NUM_AUX, validate_aux_layer_ids
+from peagle_jax.config import NUM_AUX, TargetConfig, validate_aux_layer_ids
+from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
 from peagle_jax.sharding import shard_state
@@ -58,6 +59,33 @@ def check_int(name: str, value, minimum: int) -> int:
     if not _is_int(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
     return int(value)
+
+
+SEED_MAX = 2**63 - 1  # jax.random.key takes a C long (int64): larger seeds raise OverflowError
+SEED_RANGE = "[0, 2**63 - 1]"
+
+
+def check_seed(seed) -> int:
+    """`seed` as an int in [0, SEED_MAX], what `jax.random.key` accepts; ValueError naming `seed`."""
+    if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"seed must be an integer in {SEED_RANGE} (what jax.random.key accepts), got {seed!r}")
+    return int(seed)
+
+
+def check_handles(target, drafter) -> None:
+    """TypeError naming the argument when `target` is no Target (a `.config` TargetConfig) or
+    `drafter` no Drafter (a `.config` DrafterConfig), e.g. a Target passed as the drafter."""
+    if not isinstance(getattr(target, "config", None), TargetConfig):
+        raise TypeError(f"target: expected a Target (peagle_jax.load_target), got {_shown(target)}")
+    if drafter is not None and not isinstance(getattr(drafter, "config", None), DrafterConfig):
+        raise TypeError(
+            f"drafter: expected a Drafter (peagle_jax.load_drafter / new_drafter) or None, got {_shown(drafter)}"
+        )
+
+
+def _shown(x) -> str:
+    text = repr(x)
+    return f"{type(x).__name__} {text[:80] + '...' if len(text) > 80 else text}"
 
 
 def check_sampling(temperature, top_p) -> tuple[float, float]:
@@ -164,6 +192,7 @@ class SpeculativeDecoder:
         prompt_pad: int = 64,
         eos_ids: Sequence[int] | None = None,
     ):
+        check_handles(target, drafter)
         if mode is None:
             mode = "dflash" if drafter is not None and drafter.config.mode == "dflash" else "parallel"
         if mode not in sp.MODES:
@@ -291,7 +320,7 @@ class SpeculativeDecoder:
         """(engine config, prompt ids, prefilled DecodeState): the first step of `generate`."""
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
         temperature, top_p = check_sampling(temperature, top_p)
-        seed = check_int("seed", seed, 0)
+        seed = check_seed(seed)
         ids, prompt, lens, cache_len = self._batch(prompts, max_new_tokens)
         cfg = self._engine(temperature, top_p, stop_token_ids)
         tdef, tstate, ddef, dstate = self.modules()

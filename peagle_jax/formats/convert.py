@@ -5,7 +5,7 @@ the formats are `peagle_jax.formats.checkpoints` / `peagle_jax.formats.head_conf
 ```
 peagle-convert export CKPT OUT --format vllm|speculators [--dtype bfloat16|float32]
                [--max-shard-size 5GB] [--target DIR] [--verifier ORG/NAME] [--overwrite] [--force]
-peagle-convert import SRC OUT [--dtype float32|bfloat16] [--target DIR] [--overwrite]
+peagle-convert import SRC OUT [--dtype float32|bfloat16] [--target DIR] [--overwrite] [--force]
 peagle-convert inspect DIR [--target DIR] [--json]
 peagle-convert export-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-shard-size 5GB] [--overwrite]
 peagle-convert import-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-shard-size 5GB] [--overwrite]
@@ -21,7 +21,10 @@ peagle-convert import-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-s
   (`peagle_jax.formats.inspect.serve_command`: K = the trained depth capped at 7, P-EAGLE's best served K).
 - `import`: a vLLM-native or speculators folder (EAGLE-3, P-EAGLE or DFlash) -> our checkpoint
   (`drafter.json` + `state/`); a DFlash head saved without embed_tokens / lm_head (speculators)
-  takes them from `--target DIR`. DFlash exports: `DFlashDraftModel` with `dflash_config`
+  takes them from `--target DIR`. Held to the bar of export: the checkpoint is inspected in its
+  temporary folder (against `--target`, else the recorded verifier when it is here) and refused,
+  nothing written, when `inspect OUT` would report a problem (NaN / Inf weights, aux ids outside the
+  target's layers), unless `--force` (each problem then a `warning:` line). DFlash exports: `DFlashDraftModel` with `dflash_config`
   (vLLM native, z-lab ids = ours - 1) or speculators "dflash"; served with `"method": "dflash"`,
   K = block_size - 1. `inspect`: the lint (`peagle_jax.formats.inspect`); exit 1 on a problem.
 - `export-target` / `import-target`: a target model's Hugging Face folder, loaded and validated
@@ -157,13 +160,7 @@ def export_drafter(
     check_destination(dest, overwrite, CONFIG_FILE)
     cfg, arrays = _read_head(ckpt, target)
     notes: list[str] = []
-    target, tinfo = _export_target(target, cfg.verifier, Path(ckpt), notes)
-    if tinfo is not None and cfg.max_position_embeddings < tinfo["max_position_embeddings"]:
-        notes.append(
-            f"max_position_embeddings raised from {cfg.max_position_embeddings} to the target's "
-            f"{tinfo['max_position_embeddings']}"
-        )
-        cfg = dataclasses.replace(cfg, max_position_embeddings=tinfo["max_position_embeddings"])
+    target, cfg = _fit_to_target(cfg, target, Path(ckpt), notes)
     if verifier is not None:
         cfg = dataclasses.replace(cfg, verifier=verifier)
     if fmt == "vllm":
@@ -171,19 +168,39 @@ def export_drafter(
     else:
         config, tensors = speculators_config(cfg, dtype), speculators_tensors(cfg, arrays, dtype)
     report: dict = {}
+    check = _inspect_gate(report, target, dest, force, "the exported folder would have", "write it anyway")
+    folder = write_hf_folder(dest, config, tensors, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
+    report["notes"] = notes + report.get("notes", [])
+    return folder, report
+
+
+def _fit_to_target(cfg, target, ckpt: Path, notes: list[str]):
+    """(the target folder or None, `cfg` with max_position_embeddings raised to the target's when
+    below it, as vLLM needs; a note says so)."""
+    target, tinfo = _export_target(target, cfg.verifier, ckpt, notes)
+    if tinfo is not None and cfg.max_position_embeddings < tinfo["max_position_embeddings"]:
+        notes.append(
+            f"max_position_embeddings raised from {cfg.max_position_embeddings} to the target's "
+            f"{tinfo['max_position_embeddings']}"
+        )
+        cfg = dataclasses.replace(cfg, max_position_embeddings=tinfo["max_position_embeddings"])
+    return target, cfg
+
+
+def _inspect_gate(report: dict, target, dest: Path, force: bool, would: str, anyway: str):
+    """The check a folder passes in its temporary place before it is renamed to `dest`: the lint
+    (`inspect_folder`) fills `report`; a problem refuses it unless `force`."""
 
     def check(tmp: Path) -> None:
         report.update(inspect_folder(tmp, target=target, display=dest))
         if report["problems"] and not force:
             raise ConvertError(
-                f"{dest}: the exported folder would have {len(report['problems'])} problem(s): "
+                f"{dest}: {would} {len(report['problems'])} problem(s): "
                 + "; ".join(report["problems"])
-                + " (pass --force to write it anyway)"
+                + f" (pass --force to {anyway})"
             )
 
-    folder = write_hf_folder(dest, config, tensors, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
-    report["notes"] = notes + report.get("notes", [])
-    return folder, report
+    return check
 
 
 def _target_sources(folder: Path) -> dict:
@@ -222,10 +239,17 @@ def import_drafter_folder(
     dtype: str = "float32",
     target: str | os.PathLike | None = None,
     overwrite: bool = False,
+    force: bool = False,
 ):
     """A vLLM-native / speculators folder (or our checkpoint) -> our checkpoint at `out`.
     `target`: the target's HF folder, whose embeddings an EAGLE-3 head without embed_tokens
-    takes (a DFlash head: its embeddings and lm_head). Returns the head's DrafterConfig."""
+    takes (a DFlash head: its embeddings and lm_head), and which the head is checked against.
+    The checkpoint is inspected in its temporary folder (`inspect_folder`, against `target`,
+    else the recorded verifier when it is here) and refused, nothing written, when `inspect OUT`
+    would report a problem (NaN / Inf weights, aux ids outside the target's layers, ...), unless
+    `force`. With a target (`target`, else the recorded verifier when it is here), a
+    max_position_embeddings below the target's is raised to it, as export does (a note).
+    Returns (the head's DrafterConfig, the inspect report of OUT, its `notes` first)."""
     p = Path(src)
     if not p.exists():
         raise ConvertError(f"{p}: no such file or folder")
@@ -237,8 +261,13 @@ def import_drafter_folder(
     if not (p / OWN_CONFIG_FILE).exists() and not (p / CONFIG_FILE).exists():
         raise ConvertError(f"{p / CONFIG_FILE}: no such file (not a vLLM / speculators drafter folder)")
     config, arrays, _ = read_drafter(p, **sources)
-    write_own(dest, config, arrays, dtype)
-    return config
+    notes: list[str] = []
+    target, config = _fit_to_target(config, target, p, notes)
+    report: dict = {}
+    check = _inspect_gate(report, target, dest, force, f"the imported checkpoint of {p} would have", "import it anyway")
+    write_own(dest, config, arrays, dtype, allow_non_finite=True, check=check)  # the check reports NaN / Inf
+    report["notes"] = notes + report.get("notes", [])
+    return config, report
 
 
 # ---------------------------------------------------------------------------------------
@@ -367,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="target HF folder: embeddings for an EAGLE-3 head that ships none (DFlash: embeddings and lm_head)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT checkpoint")
+    p.add_argument("--force", action="store_true", help="import even when inspect reports problems")
 
     p = sub.add_parser(
         "inspect",
@@ -438,12 +468,18 @@ def _run(args) -> int:
         print(f"serve: {report['serve']}", file=out)
         return 0
     if args.command == "import":
-        c = import_drafter_folder(args.src, args.out, dtype=args.dtype, target=args.target, overwrite=args.overwrite)
+        c, report = import_drafter_folder(
+            args.src, args.out, dtype=args.dtype, target=args.target, overwrite=args.overwrite, force=args.force
+        )
         print(
             f"wrote {Path(args.out).absolute()}: {c.mode} head, {c.num_layers} layer(s), hidden {c.hidden_size}, "
             f"vocab {c.vocab_size} (draft {c.draft_vocab_size}), {args.dtype}",
             file=out,
         )
+        for n in report.get("notes", []):
+            print(f"note: {n}", file=out)
+        for p in report.get("problems", []):
+            print(f"warning: (forced) {p}", file=sys.stderr)
         return 0
     if args.command == "inspect":
         report = inspect_folder(args.dir, target=args.target)

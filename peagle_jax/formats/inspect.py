@@ -20,13 +20,12 @@ import json
 import os
 from pathlib import Path
 
-import numpy as np
-
 from peagle_jax.cli import one_line
 from peagle_jax.config import NUM_AUX, ConfigError, read_json
 from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.folders import CONFIG_FILE
 from peagle_jax.formats.checkpoints import FLOAT_DTYPES, check_tensors
+from peagle_jax.formats.finite import non_finite, non_finite_tensors
 from peagle_jax.formats.head_config import (
     AUX_KEY,
     MASK_ID_KEYS,
@@ -42,7 +41,7 @@ from peagle_jax.formats.inspect_report import format_report
 from peagle_jax.formats.own import OWN_CONFIG_FILE, OWN_STATE_DIR, read_own
 from peagle_jax.formats.serving import is_hub_id, resolve_verifier, serve_command, target_facts, target_findings
 
-__all__ = ["inspect_folder", "format_report", "InspectError"]
+__all__ = ["inspect_folder", "format_report", "InspectError", "non_finite"]
 
 
 class InspectError(ValueError):
@@ -324,6 +323,8 @@ def _tensor_config(f: HeadFacts, mode: str, fnd: _Findings) -> DrafterConfig | N
     vd = f.draft_vocab_size
     if mode == "dflash":
         f = settled_dflash(f)
+        if f is None:  # no usable context layers (reported): fc's width is unknown
+            return None
     settled = dataclasses.replace(
         f,
         mode=mode,
@@ -376,19 +377,6 @@ def _check_tensors(ckpt, cfg: DrafterConfig | None, mode: str, fnd: _Findings, r
     _check_finite(ckpt, fnd, shown_as)
 
 
-def non_finite(arr) -> str | None:
-    """None when every value of `arr` is finite, else how many are not, e.g. "3 non-finite
-    values (2 NaN, 1 Inf) of 4096"."""
-    arr = np.asarray(arr)
-    if arr.dtype.kind in "iub":
-        return None
-    nan = int(np.count_nonzero(np.isnan(arr)))
-    bad = arr.size - int(np.count_nonzero(np.isfinite(arr)))
-    if not bad:
-        return None
-    return f"{bad} non-finite value{'s' if bad > 1 else ''} ({nan} NaN, {bad - nan} Inf) of {arr.size}"
-
-
 def _check_finite(ckpt, fnd: _Findings, shown_as) -> None:
     """Every float tensor of `ckpt` read once: NaN / Inf weights are a problem (vLLM loads them and
     drafts from NaN logits)."""
@@ -412,10 +400,8 @@ def _check_own_finite(folder: Path, shown: Path, fnd: _Findings) -> None:
         _, arrays, _ = read_own(folder)
     except (OSError, ValueError) as err:
         return fnd.problem(one_line(err).replace(str(folder), str(shown)))
-    for path in sorted(arrays, key=str):
-        found = non_finite(arrays[path])
-        if found:
-            fnd.problem(f"{state}: tensor {'.'.join(map(str, path))!r} holds {found}")
+    for name, found in non_finite_tensors(arrays):
+        fnd.problem(f"{state}: tensor {name!r} holds {found}")
 
 
 def _check_table(ckpt, cfg: DrafterConfig, keys: set, fnd: _Findings, shown_as) -> None:

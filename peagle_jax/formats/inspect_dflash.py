@@ -97,11 +97,37 @@ def dflash_tensor_findings(keys: set, full_vocab: bool, fnd) -> None:
         fnd.note("no 'lm_head.weight': vLLM shares the target's lm_head (a full-vocabulary DFlash head)")
 
 
-def settled_dflash(f: HeadFacts) -> HeadFacts:
-    """`f` with a reported bad block size or mask id replaced by a valid one, so the tensor
-    table can still be checked (the context layers stay: they set fc's width)."""
+def settled_dflash(f: HeadFacts) -> HeadFacts | None:
+    """`f` with a reported bad block size, mask id or set of context layers replaced by a valid
+    one, so the tensor table can still be checked without reporting them again (the context
+    layers keep their count: it sets fc's width). None when the count is unknown (no usable list:
+    reported, and the table cannot be checked)."""
     v = f.sizes["vocab_size"]
     mask = f.mask_id if _is_int(f.mask_id) and 0 <= f.mask_id < v else 0
     block = f.block_size if serve_depth(f) is not None else 2
-    fields = {**f.dflash, "mask_ids": {"mask_token_id": mask}, "block_sizes": {"block_size": block}, "flags": {}}
-    return dataclasses.replace(f, mask_ids=fields["mask_ids"], dflash=fields)
+    aux_ids = f.aux_ids
+    if not _usable_context_layers(f):
+        if not isinstance(f.aux, list) or not f.aux:
+            return None
+        aux_ids = {EAGLE_AUX_KEY if f.fmt == "vllm" else SPEC_AUX_KEY: list(range(1, len(f.aux) + 1))}
+    fields = {
+        **f.dflash,
+        "mask_ids": {"mask_token_id": mask},
+        "block_sizes": {"block_size": block},
+        "aux_ids": aux_ids,
+        "flags": {},
+    }
+    return dataclasses.replace(f, mask_ids=fields["mask_ids"], aux_ids=aux_ids, dflash=fields)
+
+
+def _usable_context_layers(f: HeadFacts) -> bool:
+    """What `_check_context_layers` accepts (without reporting): one agreed, well-formed list."""
+    aux = f.aux
+    return (
+        not dflash_conflicts(f.dflash)
+        and bool(f.aux_ids)
+        and is_int_list(aux)
+        and len(set(aux)) == len(aux)
+        and aux == sorted(aux)
+        and min(aux, default=0) >= 0
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from peagle_jax.config import ConfigError, read_json
 from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.dtypes import dtype_name
 from peagle_jax.folders import atomic_folder, check_destination
+from peagle_jax.formats.finite import non_finite_tensors
 from peagle_jax.models.drafter import abstract_drafter, state_from_arrays
 
 __all__ = [
@@ -46,14 +48,31 @@ def local_checkpointer():
     return ocp.StandardCheckpointer(multiprocessing_options=opts)
 
 
-def write_own(path: str | os.PathLike, config: DrafterConfig, arrays: dict, dtype="float32") -> Path:
+def write_own(
+    path: str | os.PathLike,
+    config: DrafterConfig,
+    arrays: dict,
+    dtype="float32",
+    *,
+    allow_non_finite: bool = False,
+    check: Callable[[Path], None] | None = None,
+) -> Path:
     """Our checkpoint, written to a temporary sibling folder and renamed into place; an
-    existing drafter checkpoint (or empty folder) at `path` is replaced, anything else refused."""
+    existing drafter checkpoint (or empty folder) at `path` is replaced, anything else refused.
+    NaN / Inf weights are refused (ValueError naming the tensor, nothing written) unless
+    `allow_non_finite`. `check(tmp_folder)` runs before the rename; when it raises, nothing is left."""
     import jax
     from flax import nnx
 
     dest = Path(path).absolute()
     check_destination(dest, overwrite=True, marker=OWN_CONFIG_FILE)  # replaces only a drafter checkpoint
+    bad = [] if allow_non_finite else non_finite_tensors(arrays)
+    if bad:
+        more = f" (and {len(bad) - 1} more tensor(s))" if len(bad) > 1 else ""
+        raise ValueError(
+            f"{dest}: tensor {bad[0][0]!r} holds {bad[0][1]}{more}; a head with NaN / Inf weights is not saved "
+            "(allow_non_finite=True saves it anyway)"
+        )
     _, state = state_from_arrays(config, arrays, dtype)
     with atomic_folder(dest) as tmp:
         meta = {"format": OWN_FORMAT, "version": OWN_VERSION, "dtype": dtype_name(dtype), "config": config.to_dict()}
@@ -64,6 +83,8 @@ def write_own(path: str | os.PathLike, config: DrafterConfig, arrays: dict, dtyp
                 tree = jax.tree.map(np.asarray, tree)
             ckptr.save(tmp / OWN_STATE_DIR, tree)
             ckptr.wait_until_finished()
+        if check is not None:
+            check(tmp)
     return dest
 
 

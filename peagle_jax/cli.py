@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import signal
@@ -28,16 +29,34 @@ def one_line(text) -> str:
 
 
 RETRY_S = 0.05  # an interrupt that arrived where Python drops (or converts) exceptions is raised again this late
+RECHECK_S = 0.5  # after an interrupt was raised: how often the process checks it was not swallowed on its way up
+
+_received: list[int] = []  # the interrupting signal (SIGINT / SIGTERM) once one came: the process is ending
+_deferring: list[bool] = []  # non-empty while `signals_deferred` holds (a clean-up that must finish)
+
+
+def _in_weakref_callback(frame) -> bool:
+    """A `weakref.finalize` callback (or one of a plain weakref): Python prints what it raises as
+    "Exception ignored in ..." and goes on."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename.endswith("weakref.py") and code.co_name in ("__call__", "_exitfunc"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _drops_exceptions(frame) -> bool:
-    """True when `frame` runs a gc callback (jax registers one) or a finaliser: an exception
-    raised there is printed as "Exception ignored" and lost, and the interrupt with it; or when
-    a module is being imported: raised inside an extension's initialisation it turns into an
-    ImportError (a traceback, exit 1) instead of an interrupt."""
+    """True when `frame` runs a gc callback (jax registers one), a finaliser (`__del__`, a
+    `weakref.finalize` callback): an exception raised there is printed as "Exception ignored"
+    and lost, and the interrupt with it; or when a module is being imported: raised inside an
+    extension's initialisation it turns into an ImportError (a traceback, exit 1) instead of an
+    interrupt."""
     if frame is None:
         return False
     if frame.f_code.co_name == "__del__" or any(frame.f_code is getattr(cb, "__code__", None) for cb in gc.callbacks):
+        return True
+    if _in_weakref_callback(frame):
         return True
     while frame is not None:
         if frame.f_code.co_filename.startswith("<frozen importlib"):
@@ -46,30 +65,121 @@ def _drops_exceptions(frame) -> bool:
     return False
 
 
-def _interrupt(signum, frame):
-    if _drops_exceptions(frame):
-        signal.signal(signal.SIGALRM, lambda _s, f: _interrupt(signum, f))
-        signal.setitimer(signal.ITIMER_REAL, RETRY_S)  # deliver it once that code has returned
+def _unwinding(exc) -> bool:
+    """The exception being handled is the interrupt (finally blocks, `with` exits and clean-ups run
+    while it travels up), or one that an interrupt turned into (its cause or context)."""
+    seen = 0
+    while exc is not None and seen < 32:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
+def _arm(seconds: float) -> None:
+    signal.signal(signal.SIGALRM, _recheck)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def _recheck(_signum, frame):
+    """The timer an interrupt arms: while the process lives on, the interrupt is either on its way
+    up (leave it: the clean-ups it runs finish), or landed where Python can't raise it yet (try
+    again soon), or was swallowed (a library's bare `except`, a callback that printed and dropped
+    it): raised again, so the process ends within about RECHECK_S of the signal."""
+    if not _received:
         return
+    if _deferring or _drops_exceptions(frame):
+        _arm(RETRY_S)
+        return
+    _arm(RECHECK_S)
+    if not _unwinding(sys.exc_info()[1]):
+        raise KeyboardInterrupt(f"interrupted by signal {_received[0]}")
+
+
+def _interrupt(signum, frame):
+    if not _received:
+        _received.append(signum)
+    if _deferring or _drops_exceptions(frame):
+        _arm(RETRY_S)  # raised once that code has returned
+        return
+    _arm(RECHECK_S)  # the one path for the rest of the process's life: raised again if swallowed
     raise KeyboardInterrupt(f"interrupted by signal {signum}")
 
 
 def terminate_as_interrupt() -> None:
     """SIGINT and SIGTERM raise KeyboardInterrupt, so `finally` blocks run and a half-written
     folder is removed (the default SIGTERM kills the process on the spot). SIGINT is installed
-    too because a process started with it ignored (a background job of a script) would not see it,
-    and an interrupt arriving in a gc callback or finaliser, where Python drops exceptions, is
-    raised again just after. Call it at the start of a CLI's work."""
+    too because a process started with it ignored (a background job of a script) would not see it.
+    The signal is recorded (`interrupted`), and one that arrives where Python drops exceptions (a
+    gc callback, a finaliser, a weakref callback) or that some code swallows on its way up is
+    raised again just after (a timer, `_recheck`); `run` turns a recorded signal into exit 130
+    whatever the work returned. Call it at the start of a CLI's work."""
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+
+
+def interrupted() -> int | None:
+    """The signal that interrupted this process, None when none came."""
+    return _received[0] if _received else None
+
+
+def check_interrupted() -> None:
+    """KeyboardInterrupt when a signal came and the work is still going (it was swallowed on its
+    way up): call it between phases of the work."""
+    if _received and not _deferring:
+        raise KeyboardInterrupt(f"interrupted by signal {_received[0]}")
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """An interrupt during the block (a clean-up that must not stop halfway) is raised after it
+    (by the timer it arms, `_recheck`: unless the interrupt is the exception being handled)."""
+    _deferring.append(True)
+    try:
+        yield
+    finally:
+        _deferring.pop()
+
+
+def note(err: BaseException, text: str) -> BaseException:
+    """`err` with a note `run` adds to its one line (for an interrupt: the line itself)."""
+    with contextlib.suppress(AttributeError, TypeError):
+        err.cli_note = text
+    return err
+
+
+def _note_of(err: BaseException | None) -> str | None:
+    """The note of `err` or of the exception it was raised while handling (an interrupt raised
+    again during the clean-up of the error it had turned into)."""
+    seen = 0
+    while err is not None and seen < 32:
+        if getattr(err, "cli_note", None):
+            return err.cli_note
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
+
+
+def _stdout_gone() -> int:
+    """stdout's reader went away (`python -m train --help | head -3`): nothing more to say, and the
+    interpreter's last flush must not complain either. The status of a process ended by SIGPIPE."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
+
+
+def _flush_stdout() -> None:
+    sys.stdout.flush()
 
 
 def exit_interrupted(message: str) -> None:
     """Print the interrupt's line and end the process now with status 130: the clean-up ran while
     the interrupt unwound, and the interpreter's own shutdown can crash while XLA threads are still
     compiling (a segmentation fault instead of 130)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        print(f"error: {message}", file=sys.stderr, flush=True)
     os._exit(130)
 
 
@@ -87,9 +197,12 @@ def run(
 ) -> int:
     """The shared frame of every CLI: parse (usage errors: one line, exit 2), then do the work
     with SIGTERM as an interrupt (exit 130, temporaries removed); any failure of the work is one
-    `error: ...` line (the exception type named when it is not a ValueError / OSError / KeyError)
-    and exit `failure_code(args)` (1; `inspect` says 2). PEAGLE_DEBUG=1 re-raises instead.
-    `interrupted`: the line's text on an interrupt (what the user can do next)."""
+    `error: ...` line (the exception type named when it is not a ValueError / OSError / KeyError;
+    a note the work added with `note` in parentheses after it) and exit `failure_code(args)` (1;
+    `inspect` says 2). PEAGLE_DEBUG=1 re-raises instead. `interrupted`: the line's text on an
+    interrupt (what the user can do next; a note on the interrupt replaces it). A signal that came
+    is exit 130 whatever the work did with it (swallowed, converted, or returned anyway). A reader
+    of stdout that went away (`| head`) ends the command quietly (status 141)."""
     terminate_as_interrupt()  # before parsing: its imports take a second, an interrupt there is one too
     try:
         args = parse(argv)
@@ -97,20 +210,42 @@ def run(
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     except SystemExit as err:  # --help
+        try:
+            _flush_stdout()
+        except BrokenPipeError:
+            return _stdout_gone()
         return int(err.code or 0)
-    except KeyboardInterrupt:
-        exit_interrupted(interrupted)
+    except BrokenPipeError:
+        return _stdout_gone()
+    except KeyboardInterrupt as err:
+        exit_interrupted(_note_of(err) or interrupted)
     try:
-        return int(work(args) or 0)
+        code = int(work(args) or 0)
+        _flush_stdout()
     except UsageError as err:
-        print(f"error: {one_line(err)}", file=sys.stderr)
+        if _received:
+            exit_interrupted(interrupted)
+        print(f"error: {_with_note(one_line(err), err)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        exit_interrupted(interrupted)
+    except KeyboardInterrupt as err:
+        exit_interrupted(_note_of(err) or interrupted)
+    except BrokenPipeError:
+        return _stdout_gone()
     except Exception as err:  # noqa: BLE001 - every failure is one line
+        if _received:  # an interrupt some code turned into another exception on its way up
+            exit_interrupted(_note_of(err) or interrupted)
         if os.environ.get("PEAGLE_DEBUG"):
             raise
         msg = one_line(err) or type(err).__name__
         known = isinstance(err, (ValueError, OSError, KeyError))
-        print(f"error: {msg}" if known else f"error: {type(err).__name__}: {msg}", file=sys.stderr)
+        msg = _with_note(msg if known else f"{type(err).__name__}: {msg}", err)
+        print(f"error: {msg}", file=sys.stderr)
         return failure_code(args)
+    if _received:  # a signal the work swallowed: still an interrupted run
+        exit_interrupted(interrupted)
+    return code
+
+
+def _with_note(msg: str, err: BaseException) -> str:
+    extra = getattr(err, "cli_note", None)
+    return f"{msg} ({one_line(extra)})" if extra else msg

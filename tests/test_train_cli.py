@@ -13,6 +13,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+from limits import HANG_S
 
 import train.__main__ as entry
 from train import config as C
@@ -74,7 +75,7 @@ def test_usage_line_of_the_module_names_python_m_train():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("usage: python -m train "), proc.stdout[:200]
@@ -161,6 +162,8 @@ REFUSED = [
     (["--model.seed", "-1"], f"model.seed must lie in [0, {SEED_MAX}]"),  # numpy: "expected non-negative integer"
     (["--data.seed", HUGE], "data.seed must lie in"),
     (["--optim.lr", "1e300"], "optim.lr must be a finite number > 0"),  # inf in the float32 step
+    (["--optim.lr", "1e-320"], "--optim.lr 1e-320 is 0 in float32"),  # nothing trained, exit 0
+    (["--optim.lr", "1e-40"], "--optim.lr 1e-40 is subnormal in float32"),
     (["--optim.clip", "1e39"], "optim.clip must be a finite number > 0"),
     (["--optim.weight_decay", "1e300"], "optim.weight_decay must be a finite number >= 0"),
     (["--data.row_factor", "1e300"], "data.row_factor x data.max_len"),  # "Maximum allowed dimension exceeded"
@@ -205,7 +208,7 @@ def test_long_and_odd_names_are_no_traceback(capsys):
 
 def test_the_saved_config_of_a_parsed_command_line_reads_back():
     """config.json (what a resume compares) holds what the command line set."""
-    cfg = C.parse_args(["--preset", "tiny", "--loop.segments", "auto", "--eval.ks", "3", "5", "--optim.lr", "1e-320"])
+    cfg = C.parse_args(["--preset", "tiny", "--loop.segments", "auto", "--eval.ks", "3", "5", "--optim.lr", "1.2e-38"])
     assert C.from_dict(C.to_dict(cfg)) == cfg
 
 

@@ -246,7 +246,7 @@ def _run_lines(edges: dict[str, list[str]], max_flags: int):
 
 @settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(argv=_run_lines(EDGES, max_flags=3))
-@example(argv=["--loop.steps", "2", "--optim.lr", "5e-324", "--optim.clip", "1e-30"])  # trains: exit 0
+@example(argv=["--loop.steps", "2", "--optim.lr", "5e-324", "--optim.clip", "1e-30"])  # 0 in float32: refused, exit 2
 @example(argv=["--loop.steps", "2", "--optim.lr", "1e30", "--optim.warmup_steps", "0"])  # a nan loss: exit 1
 @example(argv=["--loop.steps", "1", "--optim.lr", "1e300"])  # inf in float32: refused, exit 2
 def test_tiny_runs_end_in_0_1_or_2_and_finite_losses(argv, tiny_target, paths):

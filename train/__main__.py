@@ -80,6 +80,13 @@ def print_advice(summary: dict) -> None:
     print(line)
     if summary.get("accelerator_command"):
         print(f"on an accelerator: {summary['accelerator_command']}")
+    elif summary.get("accelerator_steps_beyond"):
+        from train.checks import INT_MAX
+
+        print(
+            f"on an accelerator: no single run gets there (~{summary['accelerator_steps_beyond']:.2g} steps of 8 "
+            f"sequences; --loop.steps takes at most {INT_MAX})"
+        )
 
 
 def check_losses(summary: dict) -> None:

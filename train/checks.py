@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from pathlib import Path
 
 from peagle_jax.cli import UsageError
 
-__all__ = ["validate", "INT_MAX", "SEED_MAX", "FLOAT32_MAX"]
+__all__ = ["validate", "check_target_fits", "step_bytes", "INT_MAX", "SEED_MAX", "FLOAT32_MAX", "FLOAT32_TINY"]
 
 INT_MAX = 2**31 - 1  # counts, sizes and token ids become int32 arrays and XLA shapes
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds: non-negative
 FLOAT32_MAX = 3.4028234663852886e38  # the step computes in float32: a larger value is inf there
+FLOAT32_TINY = 1.1754943508222875e-38  # float32's (and bfloat16's) smallest normal: below it a value is 0 or subnormal
 
 
 def validate(cfg):
@@ -96,6 +98,33 @@ def _model_data_checks(cfg) -> list[tuple[bool, str]]:
         (0 < d.cod_r <= 1 and 0 <= d.cod_r_min <= 1, "data.cod_r and data.cod_r_min must lie in (0, 1]"),
         (d.max_anchors is None or d.max_anchors >= 1, "data.max_anchors must be >= 1 (or unset)"),
         (d.regenerate_tokens >= 1, "data.regenerate_tokens must be >= 1"),
+        *_batch_checks(cfg),
+    ]
+
+
+def _conversations(cfg) -> int | None:
+    """The most conversations the source can give (data.max_conversations; the synthetic source
+    makes 256 when it is 0), None when only reading the source says."""
+    d = cfg.data
+    if d.max_conversations > 0:
+        return d.max_conversations
+    return 256 if d.source == "synthetic" else None
+
+
+def _batch_checks(cfg) -> list[tuple[bool, str]]:
+    """A held-out split that leaves no training conversation, or a batch larger than the training
+    split can be (it would repeat conversations within a step and only cost memory)."""
+    d, n = cfg.data, _conversations(cfg)
+    if n is None or d.heldout < 0 or d.batch_size < 1:
+        return []
+    if d.heldout >= n:
+        return [(False, f"data.heldout {d.heldout} leaves no training conversation of data.max_conversations {n}")]
+    return [
+        (
+            d.batch_size <= n - d.heldout,
+            f"--data.batch-size {d.batch_size} exceeds the at most {n - d.heldout} training conversations "
+            f"(data.max_conversations {n} - data.heldout {d.heldout}): lower --data.batch-size",
+        )
     ]
 
 
@@ -103,6 +132,11 @@ def _optim_loop_checks(cfg) -> list[tuple[bool, str]]:
     o, lp = cfg.optim, cfg.loop
     return [
         (_finite32(o.lr) and o.lr > 0, f"optim.lr must be a finite number > 0, got {o.lr!r}"),
+        (
+            not (0 < o.lr < FLOAT32_TINY),
+            f"--optim.lr {o.lr!r} is {'0' if o.lr < 2**-150 else 'subnormal'} in float32 (the step's dtype): no weight "
+            f"would move; the smallest usable learning rate is {FLOAT32_TINY:.3g}",
+        ),
         (o.warmup_steps >= 0, "optim.warmup_steps must be >= 0"),
         (0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio must lie in [0, 1]"),
         (0 <= o.b1 < 1 and 0 <= o.b2 < 1, "optim.b1 and optim.b2 must lie in [0, 1)"),
@@ -134,6 +168,16 @@ def _dflash_checks(cfg) -> list[tuple[bool, str]]:
         return []
     drafts = m.block_size - 1
     return [
+        (
+            m.init_layer is None,
+            f"--model.init-layer {m.init_layer} with --model.mode dflash: a DFlash head has no fused first layer to "
+            "start from a target layer (drop --model.init-layer, or use mode parallel or chain)",
+        ),
+        (
+            m.block_size < cfg.data.max_len,
+            f"--model.block-size {m.block_size} must be below --data.max-len {cfg.data.max_len}: a block (its anchor "
+            "and block_size - 1 drafts) lies inside one training sequence",
+        ),
         (
             lp.segments in (1, "1", "auto"),
             f"loop.segments={lp.segments!r} splits COD rows: a DFlash step runs its blocks in one pass (use 1)",
@@ -250,3 +294,71 @@ def _prompts_ok(prompts: str) -> bool:
     if prompts == "synthetic" or prompts.lower().replace("-", "").replace("_", "") in PROMPT_SETS:
         return True
     return _kind(prompts, expand=True) == "file"
+
+
+# ---------------------------------------------------------------------------------------
+# against the loaded target: its positions, and the memory of one step
+GIB = 2**30
+
+
+def step_bytes(cfg, tc) -> int:
+    """A rough lower estimate of the memory one training step needs (bytes): the batch's target
+    features and the head's rows (activations, their gradients, the draft logits), plus the dense
+    attention scores. It is meant to catch settings off by orders of magnitude before a compile
+    that would fail minutes later, not to size a run."""
+    m, d = cfg.model, cfg.data
+    b, t, h = d.batch_size, d.max_len, tc.hidden_size
+    vd = m.draft_vocab if 0 < m.draft_vocab < tc.vocab_size else tc.vocab_size
+    if m.mode == "dflash":
+        anchors = max(1, min(512 if d.max_anchors is None else d.max_anchors, t - m.block_size))
+        rows, keys = anchors * m.block_size, t + anchors * m.block_size
+    else:
+        rows = int(d.row_factor * t) * (m.k_train if m.mode == "chain" else 1)
+        keys = rows
+    floats = t * h * 4  # the target features the head reads (aux states, the final hidden)
+    floats += rows * (8 * h * m.num_layers + 3 * vd)  # the head's activations and gradients, the logits
+    dense = m.attention == "dense" or (m.attention == "auto" and rows <= 512)
+    if dense:
+        floats += 2 * rows * keys * max(1, tc.num_heads) * m.num_layers  # scores and their gradient
+    return 4 * b * floats
+
+
+def memory_limit() -> int | None:
+    """Bytes one device can hold: the accelerator's limit, or the host's memory on CPU."""
+    import jax
+
+    dev = jax.local_devices()[0]
+    try:
+        stats = dev.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        stats = {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_target_fits(cfg, tc, where, limit: int | None = None, shards: int = 1) -> None:
+    """UsageError (exit 2, naming the flag) for settings the target `tc` cannot train with: a DFlash
+    block longer than the target's positions, or a step far beyond one device's memory (`limit`,
+    bytes: found when None; the batch split over `shards` devices)."""
+    m, d = cfg.model, cfg.data
+    maxpos = tc.max_position_embeddings
+    if m.mode == "dflash" and m.block_size > maxpos:
+        raise UsageError(
+            f"--model.block-size {m.block_size} exceeds the {maxpos} positions of the target {where} "
+            "(max_position_embeddings)"
+        )
+    limit = memory_limit() if limit is None else limit
+    need = step_bytes(cfg, tc) // max(1, shards)
+    if limit and need > limit:
+        flags = "--data.batch-size or --data.max-len" if d.batch_size > 1 else "--data.max-len"
+        if m.mode == "dflash":
+            flags = flags.replace(" or ", ", ") + " or --model.block-size"
+        raise UsageError(
+            f"one step of --data.batch-size {d.batch_size} x --data.max-len {d.max_len}"
+            + (f" (--model.block-size {m.block_size})" if m.mode == "dflash" else "")
+            + f" needs about {need / GIB:.3g} GiB, more than the {limit / GIB:.3g} GiB of this device: lower {flags}"
+        )

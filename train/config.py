@@ -457,7 +457,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
                 default=base,
                 args=_bool_words(argv),
                 config=(tyro.conf.FlagConversionOff,),
-                description="Train a P-EAGLE (or EAGLE-3) drafter head for a Hugging Face target.",
+                description="Train a P-EAGLE (or EAGLE-3, or DFlash) drafter head for a Hugging Face target.",
             )
     except SystemExit as e:
         if e.code in (0, None):

@@ -10,8 +10,10 @@ tiny preset). Tokenization is `peagle_jax.chat.encode_training` (chat template, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,8 +100,15 @@ def _sharegpt_records(path: Path, limit: int) -> Iterator[tuple[int, object]]:
 
 def _jsonl_records(path: Path, limit: int) -> Iterator[tuple[int, object]]:
     row = 0
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # a binary file, or another encoding: the file, not a row
+                raise DataError(
+                    f"{path}: line {line_no} is not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1}): "
+                    "a .jsonl source holds one JSON object per line"
+                ) from None
             if not line.strip():
                 continue
             if limit > 0 and row >= limit:
@@ -111,27 +120,71 @@ def _jsonl_records(path: Path, limit: int) -> Iterator[tuple[int, object]]:
             row += 1
 
 
-def _hf_records(path: Path, limit: int) -> Iterator[tuple[int, object]]:
+@contextlib.contextmanager
+def _quiet_datasets():
+    """The `datasets` library's own log lines (it logs a file it fails to read, then raises) and
+    progress bars kept off stderr: the error that follows is the one line."""
     import datasets
 
     datasets.disable_progress_bars()
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
     try:
-        if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
-            ds = datasets.load_from_disk(str(path))
-        else:
-            files = (
-                sorted(p for p in path.rglob("*") if p.suffix in (".parquet", ".arrow", ".json", ".jsonl"))
-                if path.is_dir()
-                else [path]
-            )
-            if not files:
-                raise DataError(f"{path}: no .parquet, .arrow, .json or .jsonl files")
-            kind = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json"}[files[0].suffix]
-            ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train")
-    except DataError:
-        raise
-    except Exception as e:  # noqa: BLE001
-        raise DataError(f"{path}: cannot read as a datasets file/folder: {str(e).splitlines()[0]}") from None
+        yield datasets
+    finally:
+        logger.setLevel(level)
+
+
+def _hf_files(path: Path) -> list[Path]:
+    if not path.is_dir():
+        return [path]
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in (".parquet", ".arrow", ".json", ".jsonl"))
+
+
+def _first_bad_file(datasets, files: list[Path]) -> tuple[Path, str] | None:
+    """(file, why) of the first file of a folder `datasets` cannot read on its own."""
+    for f in files:
+        try:
+            datasets.load_dataset(_HF_KIND[f.suffix], data_files=[str(f)], split="train")
+        except Exception as e:  # noqa: BLE001
+            return f, _reason(e)
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost message of a `datasets` error (it wraps the parser's in "An error occurred ...")."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+_HF_KIND = {".parquet": "parquet", ".arrow": "arrow", ".json": "json", ".jsonl": "json"}
+
+
+def _hf_records(path: Path, limit: int) -> Iterator[tuple[int, object]]:
+    with _quiet_datasets() as datasets:
+        files: list[Path] = []
+        try:
+            if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "state.json").exists()):
+                ds = datasets.load_from_disk(str(path))
+            else:
+                files = _hf_files(path)
+                if not files:
+                    raise DataError(f"{path}: no .parquet, .arrow, .json or .jsonl files")
+                kinds = {_HF_KIND[f.suffix] for f in files}
+                if len(kinds) > 1:
+                    raise DataError(f"{path}: mixes {' and '.join(sorted(kinds))} files; keep one kind per folder")
+                ds = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files], split="train")
+        except DataError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            bad = _first_bad_file(datasets, files) if len(files) > 1 else None
+            if bad is not None:
+                raise DataError(f"{bad[0]}: cannot read it as a datasets file: {bad[1]}") from None
+            where = files[0] if len(files) == 1 else path
+            raise DataError(f"{where}: cannot read as a datasets file/folder: {_reason(e)}") from None
     if isinstance(ds, datasets.DatasetDict):
         ds = ds[next(iter(ds))]
     for row, rec in enumerate(ds):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,14 +17,15 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from peagle_jax.cli import UsageError
+from peagle_jax.cli import UsageError, check_interrupted, interrupted, note, signals_deferred
 from train import config as C
 from train import data as D
 from train import distributed as dist
 from train.checkpoint import Checkpoints
+from train.checks import INT_MAX, check_target_fits
 from train.metrics import MetricsLog
 from train.payoff import fastest_k, payoff
-from train.trainer import Hook, TimeBudget, Trainer, TrainError, total_steps
+from train.trainer import Hook, TimeBudget, Trainer, TrainError, check_target, total_steps
 
 __all__ = ["run", "TrainError", "serve_command", "check_resume"]
 
@@ -207,7 +209,10 @@ class Export(Hook):
 
 def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     """Trains, saves, exports and evaluates; the summary (None on processes other than 0).
-    `hooks` run after the trainer's own (logging, evaluation, checkpoints, export) at every step."""
+    `hooks` run after the trainer's own (logging, evaluation, checkpoints, export) at every step.
+    A run that fails or is interrupted before its first checkpoint leaves nothing behind: an OUT
+    it made is removed, an OUT that existed before is left as it was given; the error says which
+    (`leave_out`)."""
     t0 = time.perf_counter()
     dist.setup(cfg.dist)  # before any JAX op: the devices of every process form one mesh
     from peagle_jax.sharding import device_mesh
@@ -215,17 +220,71 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     if dist.multi_process() and (cfg.data.cache_features or cfg.data.regenerate):
         raise TrainError("data.cache_features and data.regenerate run in one process only (dist.num_processes 1)")
     mesh = device_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
+    out = Path(cfg.out).absolute()
+    created = first_missing(out)
+    opened: list = []  # what leave_out closes before it removes OUT
+    try:
+        return _run(cfg, hooks, t0, mesh, out, opened)
+    except BaseException as err:
+        for close in opened:
+            try:
+                close()
+            except Exception:  # noqa: BLE001, S110 - the run's own error is the one to report
+                pass
+        leave_out(out, created, err)
+        raise
+
+
+def first_missing(path: Path) -> Path | None:
+    """The outermost folder of `path` that does not exist yet (what making it creates), None when it exists."""
+    if path.exists():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def leave_out(out: Path, created: Path | None, err: BaseException) -> None:
+    """After a run stopped by `err` before its first checkpoint (nothing to resume): OUT removed
+    when this run made it (`created`: the outermost folder it made), left as it was when it existed
+    before (or when it holds regenerated answers a rerun reuses); a note on `err` says which."""
+    if not dist.is_main() or not out.is_dir() or has_checkpoint(out):
+        return  # nothing made, another process's to do, or a checkpoint to resume from
+    regenerated = out / "regenerated.jsonl"
+    if regenerated.is_file() and regenerated.stat().st_size:
+        text = f"{out} kept: it holds regenerated answers a rerun with the same --out reuses"
+    elif created is not None:
+        with signals_deferred():  # a second Ctrl-C does not leave half of it
+            shutil.rmtree(created, ignore_errors=True)
+        text = f"removed {created}, which this run made: it stopped before its first checkpoint"
+    else:
+        text = f"{out} kept as it was: it existed before this run"
+    if isinstance(err, KeyboardInterrupt) or interrupted() is not None:  # or what an interrupt turned into
+        text = f"interrupted before the first checkpoint (nothing to resume): {text}"
+    note(err, text)
+
+
+def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, opened: list) -> dict | None:
     out = prepare_out(cfg)
     log = console(t0)
     tpath, target = load_target(cfg, out)
+    check_target(cfg, target, tpath)  # before the data: what this target cannot train with
+    check_target_fits(cfg, target.config, tpath, shards=_batch_shards(mesh))
     log(f"target {tpath} loaded")
+    check_interrupted()
     ds = load_data(cfg, target.tokenizer, out, target)
     log(f"data: {json.dumps(ds.stats)}")
+    check_interrupted()
     if cfg.data.prepare_only:
         if dist.is_main():
             stats = {"prepared_only": True, "target": str(tpath), "data": ds.stats}
             _write_json(out / "summary.json", {**stats, "wall_seconds": time.perf_counter() - t0})
         return {"prepared_only": True, "out": str(out)} if dist.is_main() else None
+    if cfg.data.batch_size > len(ds.train):
+        raise UsageError(
+            f"--data.batch-size {cfg.data.batch_size} exceeds the {len(ds.train)} training examples of "
+            f"data.source {cfg.data.source}: lower --data.batch-size"
+        )
     counts = D.token_counts(ds.train, target.config.vocab_size)
     trainer = Trainer(cfg, target, total_steps(cfg, len(ds.train)), token_counts=counts, mesh=mesh)
     target.state, target.mesh = trainer.stepper.target_state, mesh  # keep only the placed copy
@@ -235,6 +294,7 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     if start:
         log(f"resumed from {out / 'checkpoints'} at step {start}")
     metrics = MetricsLog(out, start, enabled=dist.is_main())
+    opened.append(metrics.close)
     logging, export = Logging(metrics, ds.heldout, cfg.loop.eval_every), Export(out, tpath, cfg)
     own = [
         StopOnNonFinite(),  # first: a non-finite step is neither logged nor checkpointed
@@ -247,6 +307,7 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     t_train = time.perf_counter()
     trainer.fit(ds.train, [*own, *hooks], features=feature_cache(cfg, trainer, tpath))
     train_wall = time.perf_counter() - t_train
+    check_interrupted()
     ev = logging.last_eval
     log(
         f"trained {trainer.step - start} steps in {train_wall:.1f} s"
@@ -263,13 +324,21 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
         if dist.multi_process():  # process 0 alone measures speed, on its own copy of the target
             target = load_target(cfg, out)[1]
         summary["eval"] = measure_speed(cfg, target, export.head, log)
+        check_interrupted()
         summary.update(serving_advice(cfg, summary, metrics.records()))
     k_serve = summary.get("best_k", trainer.k)
     summary["serve"] = serve_command(vllm_dir, tpath, k_serve, cfg.model.mode, target.config.model_type)
     summary["wall_seconds"] = time.perf_counter() - t0
     _write_json(out / "summary.json", summary)
     metrics.close()
+    check_interrupted()
     return summary
+
+
+def _batch_shards(mesh) -> int:
+    """The devices a batch's rows are split over (mesh axes data and fsdp)."""
+    shape = dict(mesh.shape)
+    return max(1, shape.get("data", 1) * shape.get("fsdp", 1))
 
 
 def console(t0: float) -> Callable[[str], None]:
@@ -379,11 +448,14 @@ def serving_advice(cfg: C.TrainConfig, summary: dict, records: list[dict]) -> di
     if needed and summary["steps"] and by_k[best]["speedup"] < 1.0:  # a head that pays off needs no budget
         tokens, k = min(needed)
         per_step = summary["train_tokens"] / summary["steps"]
-        steps = math.ceil(tokens / per_step / 8)  # 8 sequences per step on an accelerator
-        out["accelerator_command"] = (
-            f"python -m train --data.max_conversations 0 --data.regenerate True --data.batch_size 8 "
-            f"--loop.steps {steps} --model.compute_dtype bfloat16 --out OUT   # ~{tokens:.2g} tokens for K={k}"
-        )
+        steps = max(1, math.ceil(tokens / per_step / 8))  # 8 sequences per step on an accelerator
+        if steps > INT_MAX:  # more than --loop.steps takes: no command to suggest, the advice says so
+            out["accelerator_steps_beyond"] = steps
+        else:
+            out["accelerator_command"] = (
+                f"python -m train --data.max_conversations 0 --data.regenerate True --data.batch_size 8 "
+                f"--loop.steps {steps} --model.compute_dtype bfloat16 --out OUT   # ~{tokens:.2g} tokens for K={k}"
+            )
     return out
 
 

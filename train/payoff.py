@@ -19,6 +19,7 @@ import numpy as np
 __all__ = ["fastest_k", "payoff", "curve"]
 
 WINDOWS = 8  # points of the curve (the first is dropped from the fit: the warmup's)
+MAX_LOG10_TOKENS = 300  # beyond it 10**x overflows a float (OverflowError): such a curve "does not rise enough"
 
 
 def fastest_k(by_k: dict) -> int:
@@ -53,7 +54,8 @@ def payoff(records: list[dict], by_k: dict) -> dict:
         if len(toks) >= 3:
             b, a = np.polyfit(np.log10(toks[1:]), sim[1:], 1)
             entry.update(fit_intercept=float(a), fit_slope=float(b), simulated_now=float(sim[-1]))
-            if b > 0 and math.isfinite(need):
-                entry["tokens_needed"] = float(10 ** ((need - a) / b))
+            exponent = (need - a) / b if b > 0 and math.isfinite(need) else math.inf
+            if exponent <= MAX_LOG10_TOKENS:
+                entry["tokens_needed"] = float(10**exponent)
         out[int(k)] = entry
     return out

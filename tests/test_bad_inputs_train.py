@@ -1,0 +1,147 @@
+"""Bad input to `python -m train` (issue 42), run as a user runs it (a subprocess): one `error:`
+line naming the file, key or flag, no traceback, exit 2 for what the flags alone decide (before
+any loading, so nothing is written), 1 for work that failed, 130 interrupted; a run stopped
+before its first checkpoint removes the OUT it made, and leaves an OUT that existed before as it
+was, saying which."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from limits import HANG_S
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """The tiny target (built once) and the bad data files."""
+    from train.tiny import build_tiny_target
+
+    root = tmp_path_factory.mktemp("bad-inputs")
+    good = {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5 w6"}]}
+    (root / "bin.jsonl").write_bytes(b"\x80\x81\x00binary\x00\xff\n" * 4)
+    folder = root / "folder"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text(json.dumps(good) + "\n")
+    (folder / "b.jsonl").write_bytes(b"\x80\x81\x00binary\x00\xff\n")
+    return {"TARGET": build_tiny_target(root / "target"), "BIN": root / "bin.jsonl", "FOLDER": folder}
+
+
+def train_cmd(out: Path, flags: list[str]) -> list[str]:
+    base = ["--preset", "tiny", "--out", str(out), "--loop.progress", "false"]
+    return [sys.executable, "-m", "train", *base, *flags]
+
+
+def assert_one_error_line(stderr: str, word: str) -> str:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, stderr[-3000:]
+    assert word in lines[0], lines[0]
+    return lines[0]
+
+
+# (flags, exit status, a word of the error line, OUT exists before the run, OUT left after it, a word
+# saying so); "@NAME" is a path of the `files` fixture. Checks before any loading: 2-5 s each; the
+# rows with a target load cost ~10 s each and stay few.
+CASES = [
+    (["--data.batch-size", "100000"], 2, "--data.batch-size", False, False, None),  # was OOM after 87 s
+    (["--model.mode", "dflash", "--model.init-layer", "1"], 2, "--model.init-layer", False, False, "--model.mode"),
+    (["--model.mode", "dflash", "--model.block-size", "100000"], 2, "--model.block-size", False, False, None),
+    (["--optim.lr", "1e-50"], 2, "--optim.lr", False, False, None),  # 0 in float32: trained nothing, exit 0
+    (["--optim.lr", "1e-40"], 2, "--optim.lr", False, False, "subnormal"),
+    (["--model.target", "@TARGET", "--data.source", "@BIN"], 1, "bin.jsonl", False, False, "removed"),
+    (["--model.target", "@TARGET", "--data.source", "@FOLDER"], 1, "b.jsonl", False, False, "removed"),
+    (["--model.target", "@TARGET", "--model.init-layer", "9"], 1, "init_layer", True, True, "kept"),
+    (["--model.target", "@TARGET", "--data.max-len", "1000000"], 2, "--data.max-len", False, False, "removed"),
+]
+IDS = [" ".join(c[0]).replace("@", "") + (" (OUT existed)" if c[3] else "") for c in CASES]
+
+
+@pytest.mark.parametrize("flags,code,word,existed,left,said", CASES, ids=IDS)
+def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, files, flags, code, word, existed, left, said):
+    out = tmp_path / "new" / "out"  # its parent too is made by the run, and must go with it
+    if existed:
+        out.mkdir(parents=True)
+        (out / "mine.txt").write_text("the user's file")
+    flags = [str(files[f[1:]]) if f.startswith("@") else f for f in flags]
+    res = subprocess.run(train_cmd(out, flags), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
+    assert res.returncode == code, res.stderr[-3000:]
+    line = assert_one_error_line(res.stderr, word)
+    if said:
+        assert said in line, line
+    if left:
+        assert (out / "mine.txt").read_text() == "the user's file"
+    else:
+        assert not (tmp_path / "new").exists(), sorted(p.name for p in (tmp_path / "new").rglob("*"))
+
+
+def test_help_into_a_closed_pipe_is_quiet():
+    """`python -m train --help | head -3`: the reader leaves before the help is written."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "train", "--help"],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # the reader is gone before the first byte
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=HANG_S)
+    assert proc.returncode in (0, 141), err
+    assert err == "", err
+
+
+# ---------------------------------------------------------------------------------------
+# interrupts: at the final evaluation (a signal there was once lost in a weakref callback and the
+# run ended 0), and before the first checkpoint (OUT removed when the run made it)
+def interrupt_when(cmd: list[str], ready: str, logs: Path, sig=signal.SIGINT) -> subprocess.CompletedProcess:
+    """Run `cmd`; send `sig` once its stdout holds `ready`; the finished process."""
+    out_path, err_path = logs / "stdout.txt", logs / "stderr.txt"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=err)
+        deadline = time.monotonic() + HANG_S
+        while ready not in out_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert proc.poll() is None, f"ended before the signal: {err_path.read_text()[-2000:]}"
+        proc.send_signal(sig)
+        proc.wait(timeout=HANG_S)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out_path.read_text(), err_path.read_text())
+
+
+EVAL = ["--eval.num_prompts", "4", "--eval.max_new_tokens", "96", "--eval.ks", "1", "2", "3"]
+
+
+def test_interrupt_at_the_final_evaluation_is_exit_130(tmp_path, files):
+    out = tmp_path / "run"
+    flags = ["--model.target", str(files["TARGET"]), "--loop.steps", "2", "--loop.checkpoint_every", "1", *EVAL]
+    res = interrupt_when(train_cmd(out, flags), "evaluating on", tmp_path)
+    assert res.returncode == 130, (res.stdout[-1000:], res.stderr[-3000:])
+    line = assert_one_error_line(res.stderr, "interrupted")
+    assert "resume" in line  # it has checkpoints: OUT stays, and a rerun resumes
+    assert not (out / "summary.json").exists()
+    assert (out / "checkpoints").is_dir()
+
+
+@pytest.mark.parametrize("existed", [False, True], ids=["out-new", "out-existed"])
+def test_interrupt_before_the_first_checkpoint(tmp_path, files, existed):
+    out = tmp_path / "run"
+    if existed:
+        out.mkdir()
+    flags = ["--model.target", str(files["TARGET"]), "--loop.steps", "200", "--loop.checkpoint_every", "100"]
+    flags += ["--eval.enabled", "false"]
+    res = interrupt_when(train_cmd(out, flags), "target", tmp_path, signal.SIGTERM)  # "[ 5.1s] target ... loaded"
+    assert res.returncode == 130, res.stderr[-3000:]
+    line = assert_one_error_line(res.stderr, "interrupted before the first checkpoint")
+    if existed:
+        assert "kept" in line and out.is_dir()
+    else:
+        assert "removed" in line and not out.exists()

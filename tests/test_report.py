@@ -427,3 +427,17 @@ def test_the_committed_report_is_a_full_run_and_its_markdown_is_generated():
     assert res["greedy"]["equal"] == res["greedy"]["total"] == 128 * len(heads)  # 2 sets x 4 K x 2 batches x 8 prompts
     assert len({res["training"][h]["train_tokens"] for h in heads}) == 1
     assert (docs / "report.md").read_text() == markdown(res, "report")
+
+
+def test_commands_name_no_machine_folder(monkeypatch, tmp_path):
+    """The report shows commands as a user types them: paths under the working directory relative
+    to it, under the home folder as ~/..., any other path as it is."""
+    from infer.report.stages import shown
+
+    home, work = tmp_path / "home", tmp_path / "home" / "project"
+    work.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    cmd = [sys.executable, "-m", "train", "--out", str(work / "runs" / "a b"), "--model.target"]
+    cmd += [str(home / ".cache" / "gemma"), "--data.source", "/data/x.jsonl"]
+    assert shown(cmd) == "python -m train --out 'runs/a b' --model.target ~/.cache/gemma --data.source /data/x.jsonl"

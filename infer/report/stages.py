@@ -69,7 +69,21 @@ def trainer_command(args, out: Path, mode: str, steps: int, target: str) -> list
 
 
 def shown(cmd: list[str]) -> str:
-    return shlex.join(["python", *cmd[1:]] if cmd and cmd[0] == sys.executable else cmd)
+    """The command as a user would type it: `python`, paths under the working directory relative
+    to it and paths under the home folder as ~/... (the report names no machine's folders)."""
+    args = ["python", *cmd[1:]] if cmd and cmd[0] == sys.executable else cmd
+    return " ".join(shlex.quote(a) if not a.startswith("~/") else a for a in map(_portable, args))
+
+
+def _portable(arg: str) -> str:
+    if not arg.startswith("/"):
+        return arg
+    path = Path(arg)
+    for base, shown_as in ((Path.cwd(), None), (Path.home(), "~")):
+        if path.is_relative_to(base):
+            rel = path.relative_to(base)
+            return str(rel) if shown_as is None else f"{shown_as}/{rel}"
+    return arg
 
 
 def run_trainer(cmd: list[str], logfile: Path) -> dict:

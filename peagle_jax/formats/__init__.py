@@ -14,27 +14,22 @@ from peagle_jax.formats.checkpoints import (
     export_vllm,
     read_drafter,
 )
-from peagle_jax.formats.convert import ConvertError, export_drafter, import_drafter_folder
+from peagle_jax.formats.convert import export_drafter
 from peagle_jax.formats.head_config import read_speculators_config, read_vllm_config
-from peagle_jax.formats.inspect import format_report, inspect_folder, non_finite
-from peagle_jax.formats.own import OWN_CONFIG_FILE, read_own, write_own
+from peagle_jax.formats.inspect import format_report, inspect_folder
+from peagle_jax.formats.own import write_own
 from peagle_jax.formats.serving import SERVE_K, serve_command, serve_k, target_facts
 
 __all__ = [
-    "OWN_CONFIG_FILE",
     "SERVE_K",
-    "ConvertError",
     "DrafterIOError",
     "detect_format",
     "export_drafter",
     "export_speculators",
     "export_vllm",
     "format_report",
-    "import_drafter_folder",
     "inspect_folder",
-    "non_finite",
     "read_drafter",
-    "read_own",
     "read_speculators_config",
     "read_vllm_config",
     "serve_command",

@@ -41,7 +41,7 @@ from peagle_jax.formats.inspect_report import format_report
 from peagle_jax.formats.own import OWN_CONFIG_FILE, OWN_STATE_DIR, read_own
 from peagle_jax.formats.serving import is_hub_id, resolve_verifier, serve_command, target_facts, target_findings
 
-__all__ = ["inspect_folder", "format_report", "InspectError", "non_finite"]
+__all__ = ["inspect_folder", "format_report", "InspectError"]
 
 
 class InspectError(ValueError):

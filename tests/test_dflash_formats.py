@@ -101,7 +101,7 @@ def test_aux_id_offset_both_ways(tmp_path):
     export_vllm(d, tmp_path / "v", "float32")
     raw = json.loads((tmp_path / "v" / "config.json").read_text())
     assert raw["architectures"] == ["DFlashDraftModel"] and raw["block_size"] == 4
-    assert raw["dflash_config"] == {"mask_token_id": V - 2, "target_layer_ids": [i - 1 for i in AUX]}
+    assert raw["dflash_config"] == {"mask_token_id": V - 2, "target_layer_ids": [i - 1 for i in AUX], "causal": False}
     assert raw["eagle_aux_hidden_state_layer_ids"] == list(AUX)
     # a z-lab config: no eagle ids, block_size inside dflash_config -> ours = target_layer_ids + 1
     del raw["eagle_aux_hidden_state_layer_ids"], raw["block_size"]
@@ -158,6 +158,10 @@ BAD_SPECULATORS = {
     "aux ids repeat": (lambda r: r.update(aux_hidden_state_layer_ids=[2, 2, 7]), "aux_hidden_state_layer_ids"),
     "hidden != target": (lambda r: r.update(target_hidden_size=2 * H), "key 'target_hidden_size' is 64"),
     "sample_from_anchor": (lambda r: r.update(sample_from_anchor=True), "key 'sample_from_anchor' is true"),
+    "causality not bool": (
+        lambda r: r.update(sliding_window_non_causal=None),
+        "key 'sliding_window_non_causal' must be true or false, got None",
+    ),
 }
 BAD_VLLM = {
     "no target_layer_ids": (
@@ -170,6 +174,10 @@ BAD_VLLM = {
     ),
     "no mask id": (lambda r: r["dflash_config"].pop("mask_token_id"), "missing key 'dflash_config.mask_token_id'"),
     "block sizes disagree": (lambda r: r["dflash_config"].update(block_size=8), "the block size keys disagree"),
+    "causal not bool": (
+        lambda r: r["dflash_config"].update(causal="no"),
+        "key 'dflash_config.causal' must be true or false, got 'no'",
+    ),
 }
 
 
@@ -270,7 +278,8 @@ def test_speculators_checkpoint_imports_with_same_logits(case, tmp_path, monkeyp
     sd = {k: t.detach().numpy() for k, t in model.state_dict().items()}
     verifier = (sd["embed_tokens.weight"], sd["lm_head.weight"] if c["vd"] == c["vocab"] else None)
     cfg, arrays, _ = read_drafter(tmp_path / "spec", target_weights=lambda: verifier)
-    assert inspect_folder(tmp_path / "spec")["problems"] == []
+    problems = inspect_folder(tmp_path / "spec")["problems"]  # speculators saves the vLLM trap
+    assert [p.split(":")[0] for p in problems] == ["sliding_window_non_causal false"], problems
     assert cfg.aux_layer_ids == tuple(range(1, c["aux"] + 1)) and cfg.block_size == c["block"]
     drafter = Drafter.from_arrays(cfg, arrays)
     aux, ids = par.inputs(c)

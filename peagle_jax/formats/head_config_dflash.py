@@ -4,6 +4,8 @@
   `block_size`, `mask_token_id`, `aux_hidden_state_layer_ids` (our convention: the residual
   entering target layer i), `sample_from_anchor`, `sliding_window_non_causal`; the layer
   shape in `transformer_layer_config`.
+- the causality keys (`sliding_window_non_causal`, `dflash_config.causal`) are gathered under
+  `causality`, as written; what they make of each layer is `peagle_jax.formats.dflash_causality`.
 - vLLM native / z-lab (`architectures: ["DFlashDraftModel"]`): a Qwen3 config at the top level
   plus `block_size` (top level, or inside `dflash_config` in newer z-lab heads) and
   `dflash_config: {"mask_token_id", "target_layer_ids"}`. z-lab's `target_layer_ids` name the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 from peagle_jax.config import validate_aux_layer_ids
 from peagle_jax.config_fields import TOKEN, ConfigError, Field, check_fields
+from peagle_jax.formats.dflash_causality import CAUSAL_KEY, SWNC_KEY
 
 __all__ = [
     "DFLASH_ARCH",
@@ -40,7 +43,7 @@ DFLASH_TYPE = "dflash"  # speculators_model_type
 TARGET_IDS_KEY = "dflash_config.target_layer_ids"  # z-lab / vLLM: ours - 1
 SPEC_AUX_KEY = "aux_hidden_state_layer_ids"  # speculators: ours
 EAGLE_AUX_KEY = "eagle_aux_hidden_state_layer_ids"  # what vLLM reads first: ours
-FLAG_KEYS = ("sample_from_anchor", "sliding_window_non_causal")
+FLAG_KEYS = ("sample_from_anchor",)
 
 
 def is_int_list(value) -> bool:
@@ -52,14 +55,16 @@ def _present(pairs) -> dict:
 
 
 def dflash_fields(raw: dict, fmt: str) -> dict:
-    """The DFlash keys of a config as written: mask_ids, aux_ids, block_sizes (key -> value, the
-    keys present only) and flags (sample_from_anchor, sliding_window_non_causal)."""
+    """The DFlash keys of a config as written: mask_ids, aux_ids, block_sizes, causality (key ->
+    value, the keys present only) and flags (sample_from_anchor; use_swa)."""
+    swnc = {SWNC_KEY: raw[SWNC_KEY]} if SWNC_KEY in raw else {}  # null included: vLLM reads it so
     if fmt == "speculators":
         return {
             "mask_ids": _present([("mask_token_id", raw.get("mask_token_id"))]),
             "aux_ids": _present([(SPEC_AUX_KEY, raw.get(SPEC_AUX_KEY))]),
             "block_sizes": _present([("block_size", raw.get("block_size"))]),
             "flags": _present((k, raw.get(k)) for k in FLAG_KEYS),
+            "causality": swnc,  # vLLM's translation writes dflash_config anew
         }
     inner = raw.get("dflash_config") if isinstance(raw.get("dflash_config"), dict) else {}
     return {  # vLLM: dflash_config's mask id first, then the top-level one
@@ -70,7 +75,8 @@ def dflash_fields(raw: dict, fmt: str) -> dict:
         "block_sizes": _present(
             [("block_size", raw.get("block_size")), ("dflash_config.block_size", inner.get("block_size"))]
         ),
-        "flags": _present([("causal", inner.get("causal")), ("use_swa", inner.get("use_swa"))]),
+        "flags": _present([("use_swa", inner.get("use_swa"))]),
+        "causality": {**swnc, **({CAUSAL_KEY: inner["causal"]} if "causal" in inner else {})},
     }
 
 
@@ -142,4 +148,7 @@ def dflash_settings(fields: dict, fmt: str, where: str, vocab_size: int) -> dict
             f"{where}: key 'sample_from_anchor' is true; this project's DFlash heads draft from the mask "
             "slots only (the anchor is the bonus token, as vLLM serves DFlash)"
         )
+    for key, value in fields["causality"].items():
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: key {key!r} must be true or false, got {value!r}")
     return {"block_size": block, "mask_token_id": mask, "aux_layer_ids": _aux_ids(fields["aux_ids"], fmt, where)}

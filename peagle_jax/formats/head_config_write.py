@@ -9,6 +9,7 @@ from peagle_jax.config import RopeConfig
 from peagle_jax.config_fields import ConfigError
 from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.dtypes import EXPORT, dtype_name
+from peagle_jax.formats.dflash_causality import CAUSAL_KEY, causality_keys
 from peagle_jax.formats.head_config import (
     AUX_KEY,
     DEFAULT_K_TRAIN,
@@ -137,6 +138,12 @@ def _proposal(c: DrafterConfig, k: int, verifier: str | None) -> dict:
     }
 
 
+def _dflash_causality(c: DrafterConfig, fmt: str) -> dict:
+    """The causality keys of a DFlash head (`dflash_causality`): every layer of ours attends
+    bidirectionally inside its block, and the keys written make vLLM (<= 0.33) run it so too."""
+    return causality_keys(fmt, c.layer_types, [False] * c.num_layers)
+
+
 def dflash_vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
     """A DFlash head's vLLM-native (z-lab) config.json: a Qwen3 config plus block_size and
     dflash_config (target_layer_ids = our aux ids - 1), and our ids under
@@ -146,15 +153,18 @@ def dflash_vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
             f"export_vllm: DFlash aux layer id 0 (the embeddings) has no z-lab form (target_layer_ids = ids - 1); "
             f"aux_layer_ids {list(c.aux_layer_ids)}"
         )
+    causal = _dflash_causality(c, "vllm")
+    inner = {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids]}
     return {
         "architectures": [DFLASH_ARCH],
         "model_type": "qwen3",
         **_llama_fields(c),
+        "layer_types": list(c.layer_types),
         "block_size": c.block_size,
         "draft_vocab_size": c.draft_vocab_size,
         "target_hidden_size": c.target_hidden_size,
         AUX_KEY: list(c.aux_layer_ids),
-        "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": [i - 1 for i in c.aux_layer_ids]},
+        "dflash_config": {**inner, **({"causal": causal[CAUSAL_KEY]} if causal else {})},
         "torch_dtype": dtype_name(dtype, EXPORT),
         EXTRA_KEY: dict(mode=c.mode, k_train=c.k_train, target_model_type=c.target_model_type, verifier=c.verifier),
     }
@@ -162,8 +172,10 @@ def dflash_vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
 
 def dflash_speculators_config(c: DrafterConfig, dtype="bfloat16", verifier: str | None = None) -> dict:
     """A DFlash head's speculators config.json, as speculators 0.9.0's DFlashSpeculatorConfig
-    writes it (aux_hidden_state_layer_ids in our convention, block_size - 1 drafts a pass)."""
-    tl = {"model_type": "qwen3", **_llama_fields(c)}
+    writes it (aux_hidden_state_layer_ids in our convention, block_size - 1 drafts a pass), but
+    with `sliding_window_non_causal` true: speculators' default false makes vLLM (<= 0.33) run
+    every layer causally (`dflash_causality`)."""
+    tl = {"model_type": "qwen3", **_llama_fields(c), "layer_types": list(c.layer_types)}
     tl.pop("rope_scaling")
     tl.pop("rope_theta")
     return {
@@ -176,7 +188,7 @@ def dflash_speculators_config(c: DrafterConfig, dtype="bfloat16", verifier: str 
         "target_hidden_size": c.target_hidden_size,
         "aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "mask_token_id": c.mask_token_id,
-        "sliding_window_non_causal": False,
+        **_dflash_causality(c, "speculators"),
         "sample_from_anchor": False,
         "speculators_config": {"algorithm": DFLASH_TYPE, **_proposal(c, c.block_size - 1, verifier)},
         "dtype": dtype_name(dtype, EXPORT),

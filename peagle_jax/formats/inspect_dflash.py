@@ -6,6 +6,9 @@ what vLLM's `DFlashDraftModel` needs of a head folder beyond the shared checks.
 - Context layers: distinct non-negative ids in layer order (fc reads one target state each);
   a vLLM-native head without `eagle_aux_hidden_state_layer_ids` relies on vLLM's
   `dflash_config.target_layer_ids` + 1 fallback (a note).
+- Causality: a layer vLLM (<= 0.33) runs causally where the head was trained bidirectionally, or
+  the other way round (`dflash_causality.CAUSALITY`: speculators' `sliding_window_non_causal:
+  false`, its own default, makes vLLM run full-attention layers causally).
 - embed_tokens / a full-vocabulary lm_head may be absent: vLLM shares the target's (notes). The
   tensor table itself (every layer tensor, fc [H, n*Ht], d2t against the vocabulary) is the
   importer's `checkpoints.check_tensors`, as for every head.
@@ -16,8 +19,11 @@ what vLLM's `DFlashDraftModel` needs of a head folder beyond the shared checks.
 from __future__ import annotations
 
 import dataclasses
+import json
 
-from peagle_jax.formats.head_config import HeadFacts
+from peagle_jax.config_fields import ConfigError
+from peagle_jax.formats.dflash_causality import CAUSAL_KEY, FULL, SWNC_KEY, causality_keys, head_causality
+from peagle_jax.formats.head_config import HeadFacts, layer_windows
 from peagle_jax.formats.head_config_dflash import (
     EAGLE_AUX_KEY,
     SPEC_AUX_KEY,
@@ -54,7 +60,42 @@ def check_dflash(f: HeadFacts, fnd) -> bool:
             "(the anchor is the bonus token)"
         )
     _check_mask(f, fnd)
+    _check_causality(f, fnd)
     return _check_context_layers(f, fnd)
+
+
+def _check_causality(f: HeadFacts, fnd) -> None:
+    """Layers vLLM (<= 0.33) runs with another causality than the head was trained with: one
+    problem per disagreeing row of `dflash_causality.CAUSALITY`, naming the key and the fix."""
+    keys = f.dflash["causality"]
+    bad = {k: v for k, v in keys.items() if not isinstance(v, bool)}
+    if bad:
+        return fnd.problem(f"causality key(s) {bad} must be true or false")
+    try:
+        types, _ = layer_windows(f.layer, f.layer_where, f.sizes["num_hidden_layers"])
+    except ConfigError:
+        return  # reported with the windows
+    types = types or (FULL,) * f.sizes["num_hidden_layers"]
+    rows = head_causality(f.fmt, types, keys)
+    for row in dict.fromkeys(r for r in rows if r.vllm != r.meant):
+        fnd.problem(_causality_message(f, row, [i for i, r in enumerate(rows) if r == row], types, rows))
+
+
+def _causality_message(f: HeadFacts, row, layers: list, types, rows) -> str:
+    key = SWNC_KEY if f.fmt == "speculators" or CAUSAL_KEY not in f.dflash["causality"] else CAUSAL_KEY
+    value = json.dumps(f.dflash["causality"][key]) if key in f.dflash["causality"] else "absent"
+    how = {True: "causally", False: "bidirectionally"}
+    try:
+        fix = causality_keys(f.fmt, types, [r.meant for r in rows])
+        fix_text = f"write {json.dumps(fix)}" if fix else f"remove {CAUSAL_KEY!r}"
+        if all(t == FULL for t in types):
+            fix_text += " (`peagle-convert export` rewrites it so)"
+    except ConfigError as err:
+        fix_text = str(err)
+    return (
+        f"{key} {value}: vLLM (<= 0.33) runs {row.layer} layers {layers} {how[row.vllm]} inside the block, "
+        f"but the head was trained {how[row.meant]} there ({row.why}); fix: {fix_text}"
+    )
 
 
 def _check_mask(f: HeadFacts, fnd) -> None:
@@ -116,6 +157,7 @@ def settled_dflash(f: HeadFacts) -> HeadFacts | None:
         "block_sizes": {"block_size": block},
         "aux_ids": aux_ids,
         "flags": {},
+        "causality": {},
     }
     return dataclasses.replace(f, mask_ids=fields["mask_ids"], aux_ids=aux_ids, dflash=fields)
 

@@ -34,7 +34,9 @@ class DrafterConfig:
     always); it then changes nothing.
     Mode "dflash" (`peagle_jax.models.dflash`): `block_size` B (the bonus token and B - 1 mask
     slots, drafting B - 1 tokens a pass) and `aux_layer_ids` of any length (one context layer
-    each); the other modes have no block size.
+    each); the other modes have no block size. A DFlash layer attends bidirectionally inside
+    its block, a sliding one causally unless `sliding_window_non_causal` (speculators' key, one
+    for every sliding layer); `block_causal`.
     """
 
     hidden_size: int
@@ -65,6 +67,7 @@ class DrafterConfig:
     layer_types: tuple[str, ...] = ()
     sliding_window: int | None = None
     block_size: int | None = None
+    sliding_window_non_causal: bool = False
 
     def __post_init__(self):
         if self.aux_layer_ids is not None:  # None: the default ids of the target it is paired with
@@ -111,12 +114,14 @@ class DrafterConfig:
         self._check_windows()
         if self.mode == "dflash":
             self._check_dflash()
-        elif self.block_size is not None:
-            raise ConfigError(f"DrafterConfig: block_size is a DFlash setting (mode {self.mode!r} has none)")
+        else:
+            for name in ("block_size", "sliding_window_non_causal"):
+                if getattr(self, name) not in (None, False):
+                    raise ConfigError(f"DrafterConfig: {name} is a DFlash setting (mode {self.mode!r} has none)")
 
     def _check_dflash(self) -> None:
         """DFlash heads: Qwen3 layers (q/k norms), hidden size = the target's, a block of >= 2,
-        explicit context layers, a mask token, none of the EAGLE-3 input norms, full attention."""
+        explicit context layers, a mask token, none of the EAGLE-3 input norms."""
         b = self.block_size
         if not isinstance(b, (int, np.integer)) or isinstance(b, bool) or b < 2:
             raise ConfigError(f"DrafterConfig: mode 'dflash' needs block_size >= 2, got {b!r}")
@@ -127,11 +132,15 @@ class DrafterConfig:
             (not self.qk_norm, "qk_norm (Qwen3 layers)"),
             (self.hidden_size != self.target_hidden_size, "hidden_size equal to target_hidden_size"),
             (self.norm_before_residual or self.norm_before_fc or self.fc_norm or self.norm_output, "no EAGLE-3 norms"),
-            (self.sliding, "full attention in every layer"),
         ]
         for bad, need in problems:
             if bad:
                 raise ConfigError(f"DrafterConfig: mode 'dflash' needs {need}")
+        if not isinstance(self.sliding_window_non_causal, (bool, np.bool_)):
+            raise ConfigError(
+                f"DrafterConfig: sliding_window_non_causal must be true or false, got {self.sliding_window_non_causal!r}"
+            )
+        object.__setattr__(self, "sliding_window_non_causal", bool(self.sliding_window_non_causal))
         if self.k_train is None:
             object.__setattr__(self, "k_train", int(b) - 1)
 
@@ -156,6 +165,11 @@ class DrafterConfig:
     def window(self, layer: int) -> int | None:
         """The sliding window of drafter layer `layer` (None: full attention)."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def block_causal(self, layer: int) -> bool:
+        """DFlash layer `layer` attends causally inside its block: a sliding layer unless
+        `sliding_window_non_causal` (speculators 0.9.0: full-attention layers never do)."""
+        return self.window(layer) is not None and not self.sliding_window_non_causal
 
     @property
     def sliding(self) -> bool:

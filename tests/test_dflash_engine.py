@@ -177,7 +177,7 @@ PAD = 64  # reference sequences are right-padded to one length: one compile
 
 
 @functools.partial(jax.jit, static_argnames=("target_def", "head_def", "aux_layer_ids"))
-def _block_logits(target_state, head_state, tokens, lengths, *, target_def, head_def, aux_layer_ids):
+def block_logits(target_state, head_state, tokens, lengths, *, target_def, head_def, aux_layer_ids):
     """Logits [R, B, Vd] of the block anchored at the last real token of each row of `tokens`
     [R, PAD] (right-padded), the whole row run through the target and `block_rows_states`
     without any cache."""
@@ -191,12 +191,12 @@ def _block_logits(target_state, head_state, tokens, lengths, *, target_def, head
     return block.logits
 
 
-def _reference_logits(target, head, seqs: list[list[int]], k: int) -> np.ndarray:
-    """[R, k, Vd] logits of the k draft slots of `_block_logits`."""
+def reference_logits(target, head, seqs: list[list[int]], k: int) -> np.ndarray:
+    """[R, k, Vd] logits of the k draft slots of `block_logits`."""
     tokens = np.zeros((len(seqs), PAD), np.int32)
     for i, seq in enumerate(seqs):
         tokens[i, : len(seq)] = seq
-    logits = _block_logits(
+    logits = block_logits(
         target.state,
         head.state,
         jnp.asarray(tokens),
@@ -209,7 +209,7 @@ def _reference_logits(target, head, seqs: list[list[int]], k: int) -> np.ndarray
 
 
 @functools.partial(jax.jit, static_argnames=("head_def",))
-def _cached_block_logits(head_state, bonus, anchor, cache, *, head_def):
+def cached_block_logits(head_state, bonus, anchor, cache, *, head_def):
     return nnx.merge(head_def, head_state).draft_block(bonus, anchor, cache).logits
 
 
@@ -227,8 +227,8 @@ def test_the_cached_round_equals_the_block_over_the_whole_context(targets):
         length, out, out_len, drafts = jax.device_get((state.length, state.out, state.out_len, state.drafts))
         seqs = [prompt + out[row, : out_len[row]].tolist() for row, prompt in enumerate(ids)]
         assert [len(s) for s in seqs] == (length[:rows] + 1).tolist()
-        want = _reference_logits(target, head, seqs, k)
-        got = _cached_block_logits(head.state, state.last, state.length, state.drafter_cache, head_def=head.graphdef)
+        want = reference_logits(target, head, seqs, k)
+        got = cached_block_logits(head.state, state.last, state.length, state.drafter_cache, head_def=head.graphdef)
         np.testing.assert_allclose(np.asarray(got)[:rows, 1 : k + 1], want, atol=2e-4, err_msg=f"step {step}")
         ids_want = want.argmax(-1)
         top2 = np.sort(want, axis=-1)[..., -2:]

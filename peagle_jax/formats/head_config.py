@@ -38,6 +38,7 @@ from peagle_jax.config_fields import (
     check_fields,
 )
 from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.formats.dflash_causality import SLIDING, head_causality
 from peagle_jax.formats.head_config_dflash import (
     DFLASH_ARCH,
     DFLASH_TYPE,
@@ -460,11 +461,21 @@ def _dflash_config(f: HeadFacts, layer: dict) -> DrafterConfig:
             mode="dflash",
             k_train=f.k_train,
             qk_norm=True,
+            sliding_window_non_causal=_non_causal(f, layer["layer_types"]),
             target_model_type=f.target_family,
             verifier=f.verifier,
         )
     except ConfigError as err:  # DrafterConfig's own checks name no file
         raise ConfigError(f"{f.where}: {err}") from None
+
+
+def _non_causal(f: HeadFacts, layer_types) -> bool:
+    """A DFlash head's `sliding_window_non_causal`: its sliding layers were trained bidirectionally
+    (`dflash_causality`'s `meant`, per format); False, the default, without a sliding layer."""
+    if SLIDING not in layer_types:
+        return False
+    rows = head_causality(f.fmt, layer_types, f.dflash["causality"])
+    return not rows[layer_types.index(SLIDING)].meant
 
 
 def read_vllm_config(raw: dict, where: str) -> DrafterConfig:

@@ -139,9 +139,9 @@ def _proposal(c: DrafterConfig, k: int, verifier: str | None) -> dict:
 
 
 def _dflash_causality(c: DrafterConfig, fmt: str) -> dict:
-    """The causality keys of a DFlash head (`dflash_causality`): every layer of ours attends
-    bidirectionally inside its block, and the keys written make vLLM (<= 0.33) run it so too."""
-    return causality_keys(fmt, c.layer_types, [False] * c.num_layers)
+    """The causality keys of a DFlash head (`dflash_causality`): they make vLLM (<= 0.33) run
+    each layer as ours does (`DrafterConfig.block_causal`: full layers bidirectionally)."""
+    return causality_keys(fmt, c.layer_types, [c.block_causal(i) for i in range(c.num_layers)])
 
 
 def dflash_vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:

@@ -14,6 +14,12 @@ of the target's aux states alone (the engine caches them; `context_kv`). Attenti
 rule (`kernels.AttentionSpec.block`): a block sees its document's context strictly before its
 anchor p and all of its own rows, never another block.
 
+Sliding layers (`DrafterConfig.layer_types`, speculators 0.9.0's `create_anchor_block_mask_mod`):
+a block sees only the `sliding_window` W context rows before its anchor (p - W .. p - 1; every
+row of the block the same ones), and its own rows causally, or all of them with
+`sliding_window_non_causal`. The bidirectional form is the block rule with window W + 1 (`block_window`);
+the causal one is two attentions merged by their log-sum-exps (`causal_block_attention`).
+
 Inference (`write_context`, `draft_block`; the engine's mode "dflash"): the context K/V of
 every token the target has run live in a position-indexed cache (`peagle_jax.engine.cache`); each
 round writes the newly accepted tokens' K/V at their positions, then one pass runs the block
@@ -27,6 +33,8 @@ are the target's (frozen in training, as in speculators).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -34,7 +42,49 @@ from flax import nnx
 import kernels
 from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.models.head import DrafterOutput, DraftHead, VocabMap, layer_attention
-from peagle_jax.models.layers import MLP, Linear, RMSNorm, write_kv
+from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, apply_rope, write_kv
+
+
+def block_window(cfg: DrafterConfig, index: int) -> int | None:
+    """The block rule's window of DFlash layer `index` (None: full attention). speculators' window
+    W shows a block the W context rows before its anchor p; the block rows hang off p - 1 at
+    depth 1 (`AttentionSpec.block`), so the rule (`kernels.visible`) counts from p: W + 1."""
+    w = cfg.window(index)
+    return None if w is None else w + 1
+
+
+def causal_block_specs(spec: kernels.AttentionSpec, context_len: int, block_size: int, window: int | None):
+    """`spec` (`AttentionSpec.block` over [context | blocks]) split in two: the queries over the
+    context alone (the window counted from the anchor, as the block rule does), and over their
+    own block causally (row k at depth k + 1 of the block's chain: it sees rows 0..k)."""
+    ctx = dataclasses.replace(
+        spec,
+        kv_anchor=spec.kv_anchor[:, :context_len],
+        kv_depth=spec.kv_depth[:, :context_len],
+        kv_doc=spec.kv_doc[:, :context_len],
+        sliding_window=window,
+    )
+    depth = jnp.broadcast_to(1 + jnp.arange(spec.q_depth.shape[1], dtype=jnp.int32) % block_size, spec.q_depth.shape)
+    own = dataclasses.replace(
+        spec, q_depth=depth, kv_anchor=spec.q_anchor, kv_depth=depth, kv_doc=spec.q_doc, sliding_window=None
+    )
+    return ctx, own
+
+
+def causal_block_attention(attn: Attention, x, positions, context, spec, backend: str, block_size: int):
+    """A sliding layer's attention with causal blocks (speculators' `sliding_window_non_causal`
+    false): no single row metadata shows every row of a block the same context window *and*
+    its block causally, so the context and the block are attended apart, then merged."""
+    q, k, v = attn.heads(x)
+    q, k = apply_rope(q, positions, attn.rope), apply_rope(k, positions, attn.rope)
+    ctx_spec, own_spec = causal_block_specs(spec, context[0].shape[1], block_size, attn.window)
+    ctx_spec, own_spec = (dataclasses.replace(s, scale=attn.scale, softcap=attn.softcap) for s in (ctx_spec, own_spec))
+    kc, vc = context[0].astype(k.dtype), context[1].astype(v.dtype)
+    out1, lse1 = kernels.attention(q, kc, vc, ctx_spec, backend=backend, return_lse=True)
+    out2, lse2 = kernels.attention(q, k, v, own_spec, backend=backend, return_lse=True)
+    out, _ = kernels.chain.merge(out1, lse1, out2, lse2)
+    b, t = q.shape[:2]
+    return attn.o_proj(out.astype(q.dtype).reshape(b, t, -1))
 
 
 class DFlashLayer(nnx.Module):
@@ -44,11 +94,17 @@ class DFlashLayer(nnx.Module):
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.self_attn = layer_attention(cfg, index, h, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.self_attn.window = block_window(cfg, index)  # the window in the block rule's terms
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.mlp = MLP(h, cfg.intermediate_size, cfg.hidden_act, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.causal, self.block_size = cfg.block_causal(index), cfg.block_size
 
     def __call__(self, x, positions, context, spec, backend):
-        attn, _ = self.self_attn(self.input_layernorm(x), positions, None, spec, backend, context)
+        h = self.input_layernorm(x)
+        if self.causal:
+            attn = causal_block_attention(self.self_attn, h, positions, context, spec, backend, self.block_size)
+        else:
+            attn, _ = self.self_attn(h, positions, None, spec, backend, context)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x))
 

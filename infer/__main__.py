@@ -48,13 +48,18 @@ def k_list(text: str) -> list[int]:
 
 
 def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
-    p.add_argument("--target", required=True, metavar="DIR", help="Hugging Face folder of the target model")
+    p.add_argument(
+        "--target",
+        required=True,
+        metavar="DIR",
+        help="Hugging Face folder of the target model, or its Hub id (org/name)",
+    )
     if bench:
         p.add_argument(
             "--drafter",
             metavar="DIR",
             action="append",
-            help="drafter checkpoint (ours, vLLM or speculators folder); repeat the flag to compare "
+            help="drafter checkpoint (ours, vLLM or speculators folder, or a Hub id); repeat the flag to compare "
             "several heads in one run; needed unless --mode none",
         )
         p.add_argument("--k", type=k_list, default=[7], help="drafts per round: one K, or several (1,3,5,7)")
@@ -62,7 +67,7 @@ def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
         p.add_argument(
             "--drafter",
             metavar="DIR",
-            help="drafter checkpoint (ours, vLLM or speculators folder); needed unless --mode none",
+            help="drafter checkpoint (ours, vLLM or speculators folder, or a Hub id); needed unless --mode none",
         )
         p.add_argument("--k", type=positive_int, default=7, help="drafts per round")
     p.add_argument(

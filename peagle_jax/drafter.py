@@ -25,6 +25,7 @@ from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.drafter_init import target_layer_arrays
 from peagle_jax.dtypes import dtype_name
 from peagle_jax.formats import read_drafter, write_own
+from peagle_jax.hub import repo_id_of, resolve
 from peagle_jax.models.drafter import (
     DrafterModel,
     DrafterOutput,
@@ -38,7 +39,7 @@ from peagle_jax.models.drafter import (
     t2d_from_d2t,
 )
 
-__all__ = ["Drafter", "DrafterConfig", "new_drafter", "load_drafter"]
+__all__ = ["Drafter", "DrafterConfig", "new_drafter", "head_config", "load_drafter"]
 
 _apply_jit = jax.jit(drafter_apply, static_argnums=(0,))
 _fuse_jit = jax.jit(drafter_fuse, static_argnums=(0,))
@@ -124,7 +125,9 @@ def load_drafter(path: str | os.PathLike, *, target=None, dtype=None) -> Drafter
     """An own checkpoint (drafter.json), or a vLLM-native or speculators folder (config.json +
     safetensors; see `peagle_jax.formats.checkpoints`). `target` (a Target) supplies embed_tokens for an
     EAGLE-3 chain head that ships none, and embed_tokens / lm_head for a DFlash head (speculators
-    saves neither for a full vocabulary). `dtype` None = the checkpoint's own (imports: float32)."""
+    saves neither for a full vocabulary). `dtype` None = the checkpoint's own (imports: float32).
+    `path` may be a Hub id ("org/name", `peagle_jax.hub`; a local folder of that name wins)."""
+    path = resolve(path, "head")
     embeddings = weights = None
     if target is not None:
         embeddings = lambda: target.embedding_arrays()[0]  # noqa: E731
@@ -165,7 +168,7 @@ def new_drafter(
     "sliding_attention"; layer_types None = every layer slides when a window is given (the
     speculators default), else all full attention.
     flags: norm_before_residual, norm_before_fc, fc_norm, norm_output, attention_bias,
-    qk_norm, rope (a RopeConfig to use instead of the target's).
+    qk_norm, rope (a RopeConfig to use instead of the target's); DFlash: sliding_window_non_causal.
     init_layer: start layer 0 from this target layer (negative: from the end) instead of random
     (`peagle_jax.drafter_init`: attention, MLP and norms carried over; P-EAGLE / EAGLE-3).
     Mode "dflash": a block of `block_size` (B - 1 drafts a pass); `aux_layer_ids` None = DFlash's
@@ -190,6 +193,52 @@ def new_drafter(
         used = np.asarray(draft_vocab, np.int64)
         if used.ndim != 1 or used.size == 0 or np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= v:
             raise ValueError(f"new_drafter: draft_vocab must be sorted unique ids in [0, {v})")
+    config = head_config(
+        target,
+        num_layers,
+        mode,
+        int(used.shape[0]),
+        mask_token_id,
+        k_train,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        block_size=block_size,
+        aux_layer_ids=aux_layer_ids,
+        **flags,
+    )
+    dflash = mode == "dflash"
+    emb, head = target.embedding_arrays(scaled=not dflash)
+    given = {
+        ("embed_tokens", "embedding"): emb,
+        ("lm_head", "kernel"): np.ascontiguousarray(head[used].T),
+        ("d2t",): d2t_from_ids(used).astype(np.int32),
+    }
+    dtype = dtype_name(getattr(target, "dtype", "float32") if dtype is None else dtype)
+    arrays = init_arrays(config, seed, given)
+    if init_layer is not None:
+        arrays.update(target_layer_arrays(target, init_layer, arrays, config))
+    return Drafter.from_arrays(config, arrays, dtype)
+
+
+def head_config(
+    target,
+    num_layers: int,
+    mode: str,
+    draft_vocab_size: int,
+    mask_token_id: int | None = None,
+    k_train: int | None = 8,
+    *,
+    sliding_window: int | None = None,
+    layer_types=None,
+    block_size: int = 8,
+    aux_layer_ids=None,
+    **flags,
+) -> DrafterConfig:
+    """The DrafterConfig `new_drafter` gives a head of `draft_vocab_size` ids for `target` (its
+    .config, .aux_layer_ids and .path only: no weight is read; `peagle_jax.plan` builds abstract
+    heads from it)."""
+    tc = target.config
+    v = tc.vocab_size
     dflash = mode == "dflash"
     if dflash:
         flags["qk_norm"] = True
@@ -204,11 +253,12 @@ def new_drafter(
         mask_token_id = None
     rope = flags.pop("rope", tc.rope)
     known = {"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "attention_bias", "qk_norm"}
+    known |= {"sliding_window_non_causal"}  # DFlash only (DrafterConfig checks the mode)
     bad = sorted(set(flags) - known)
     if bad:
         raise TypeError(f"new_drafter: unknown flags {bad} (known: {sorted(known)})")
     default_type = "sliding_attention" if sliding_window is not None else "full_attention"
-    config = DrafterConfig(
+    return DrafterConfig(
         hidden_size=tc.hidden_size,
         target_hidden_size=tc.hidden_size,
         num_layers=num_layers,
@@ -217,7 +267,7 @@ def new_drafter(
         head_dim=tc.head_dim,
         intermediate_size=tc.intermediate_size,
         vocab_size=v,
-        draft_vocab_size=int(used.shape[0]),
+        draft_vocab_size=draft_vocab_size,
         rms_norm_eps=tc.rms_norm_eps,
         rope=rope,
         max_position_embeddings=tc.max_position_embeddings,
@@ -226,20 +276,9 @@ def new_drafter(
         aux_layer_ids=tuple(aux_layer_ids) if dflash else tuple(target.aux_layer_ids),
         k_train=block_size - 1 if dflash else k_train,
         target_model_type=tc.model_type,
-        verifier=None if getattr(target, "path", None) is None else str(target.path),
+        verifier=None if getattr(target, "path", None) is None else repo_id_of(target.path) or str(target.path),
         layer_types=tuple(layer_types) if layer_types is not None else (default_type,) * num_layers,
         sliding_window=sliding_window,
         block_size=block_size if dflash else None,
         **{k: bool(val) for k, val in flags.items()},
     )
-    emb, head = target.embedding_arrays(scaled=not dflash)
-    given = {
-        ("embed_tokens", "embedding"): emb,
-        ("lm_head", "kernel"): np.ascontiguousarray(head[used].T),
-        ("d2t",): d2t_from_ids(used).astype(np.int32),
-    }
-    dtype = dtype_name(getattr(target, "dtype", "float32") if dtype is None else dtype)
-    arrays = init_arrays(config, seed, given)
-    if init_layer is not None:
-        arrays.update(target_layer_arrays(target, init_layer, arrays, config))
-    return Drafter.from_arrays(config, arrays, dtype)

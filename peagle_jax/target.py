@@ -32,6 +32,7 @@ from peagle_jax.cli import one_line
 from peagle_jax.config import TargetConfig, validate_aux_layer_ids
 from peagle_jax.config_fields import GENERATION_FIELDS, ConfigError, check_fields, read_json
 from peagle_jax.engine import cache as kv
+from peagle_jax.hub import resolve
 from peagle_jax.models.decoder import DecoderOutput, embedding_arrays
 from peagle_jax.models.registry import target_config
 from peagle_jax.sharding import shard_state
@@ -278,7 +279,9 @@ def default_dtype() -> str:
 def load_target(
     path: str | os.PathLike, dtype: str | None = None, aux_layer_ids: Sequence[int] | None = None, mesh=None
 ) -> Target:
-    """Loads a Hugging Face folder (config.json + safetensors) as a `Target`.
+    """Loads a Hugging Face folder (config.json + safetensors) as a `Target`; `path` may be a Hub id
+    ("org/name": downloaded once into the Hugging Face cache, `peagle_jax.hub`; a local folder of
+    that name wins).
 
     mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` (see `peagle_jax.sharding.make_mesh`):
     the weights are placed on it by the sharding rule table (tensor parallel over `tensor`);
@@ -291,7 +294,7 @@ def load_target(
     generation_config.json are checked field by field (`config.TARGET_FIELDS`) before any weight
     is read; the tokenizer is loaded on first use (`Target.tokenizer`).
     """
-    folder = Path(path)
+    folder = resolve(path, "target")
     if not folder.is_dir():
         raise WeightsError(f"{folder}: no such folder")
     cfg = target_config(folder)

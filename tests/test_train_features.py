@@ -85,4 +85,4 @@ def test_regenerated_answers_are_cached_and_resumable(tmp_path, tiny_target):
     cache.write_text("\n".join(lines[:5]) + "\n" + lines[5][:7])  # interrupted mid-line
     again = regenerate(records, target, target.tokenizer, cache, 4)
     assert again == got  # greedy: the same answers, the first 5 read back
-    assert [json.loads(ln)["i"] for ln in cache.read_text().splitlines()] == list(range(8))
+    assert sorted(json.loads(ln)["i"] for ln in cache.read_text().splitlines()) == list(range(8))  # each once

@@ -28,6 +28,7 @@ def validate(cfg):
         _optim_loop_checks,
         _eval_mesh_checks,
         _dflash_checks,
+        _regenerate_checks,
         _path_checks,
     )
     for group in groups:
@@ -189,6 +190,59 @@ def _dflash_checks(cfg) -> list[tuple[bool, str]]:
     ]
 
 
+MAX_CONCURRENCY = 1024  # a thread each
+
+
+def _an_http_url(url: str) -> bool:
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 - a port that is no number raises here
+    except ValueError:
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and not any(c.isspace() for c in url)
+
+
+def _regenerate_checks(cfg) -> list[tuple[bool, str]]:
+    """The regeneration's transport: in process (its batch) or through an endpoint (a URL, only with
+    data.regenerate on)."""
+    d = cfg.data
+    out = [
+        (d.regenerate_batch >= 1, f"data.regenerate_batch must be >= 1, got {d.regenerate_batch}"),
+        (
+            d.regenerate_api in ("completions", "chat"),
+            f"data.regenerate_api must be completions or chat, got {d.regenerate_api!r}",
+        ),
+        (
+            d.regenerate_model is None or d.regenerate_model.strip() != "",
+            "data.regenerate_model must not be empty (unset: the first model the server lists)",
+        ),
+        (
+            1 <= d.regenerate_concurrency <= MAX_CONCURRENCY,
+            f"data.regenerate_concurrency must lie in [1, {MAX_CONCURRENCY}] (a thread each), got {d.regenerate_concurrency}",
+        ),
+        (
+            _finite(d.regenerate_timeout) and d.regenerate_timeout > 0,
+            f"data.regenerate_timeout must be a finite number of seconds > 0, got {d.regenerate_timeout!r}",
+        ),
+        (d.regenerate_retries >= 0, f"data.regenerate_retries must be >= 0, got {d.regenerate_retries}"),
+    ]
+    if d.regenerate_endpoint is not None:
+        out += [
+            (
+                _an_http_url(d.regenerate_endpoint),
+                "data.regenerate_endpoint must be an http:// or https:// URL of the server (e.g. "
+                f"http://localhost:8000/v1), got {d.regenerate_endpoint!r}",
+            ),
+            (
+                d.regenerate,
+                "data.regenerate_endpoint is set but data.regenerate is false: add --data.regenerate true",
+            ),
+        ]
+    return out
+
+
 def _eval_mesh_checks(cfg) -> list[tuple[bool, str]]:
     e, mesh, dc = cfg.eval, cfg.mesh, cfg.dist
     axes = [mesh.data, mesh.fsdp, mesh.tensor]
@@ -259,6 +313,15 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
             f"model.target {m.target}: a file, not a folder (a Hugging Face folder, an asset name, or tiny)",
         ),
     ]
+    # one check per Hub-only flag, so the error names the flag that was given
+    out += [
+        (
+            value is None or _a_hub_source(d.source),
+            f"data.{name} {value}: picks a part of a Hub dataset; data.source {d.source} is not a Hub id "
+            "(org/name, with no local file or folder of that name)",
+        )
+        for name, value in (("split", d.split), ("subset", d.subset), ("revision", d.revision))
+    ]
     if e.enabled:
         out.append(
             (
@@ -285,6 +348,12 @@ def _a_file_target(target: str) -> bool:
     from peagle_jax.assets import ASSETS
 
     return target not in ASSETS
+
+
+def _a_hub_source(source: str) -> bool:
+    from train.data import hub_source
+
+    return _kind(source) == "missing" and hub_source(source)
 
 
 def _prompts_ok(prompts: str) -> bool:

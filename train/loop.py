@@ -39,10 +39,11 @@ def _write_json(path: Path, obj) -> None:
 def serve_command(vllm_dir: Path, target_path, k_train: int, mode: str, family: str | None = None) -> str:
     """The vLLM command line (`peagle_jax.formats.serving.serve_command`: method eagle3, K, parallel
     drafting, `--model-impl transformers` for target families whose native vLLM model does not
-    capture aux states)."""
+    capture aux states); a target from the Hub is named by its id, as vLLM takes it."""
     from peagle_jax.formats import serve_command as serve
+    from peagle_jax.hub import repo_id_of
 
-    return serve(vllm_dir, mode, k_train, family, target=str(target_path))
+    return serve(vllm_dir, mode, k_train, family, target=repo_id_of(target_path) or str(target_path))
 
 
 def resolve_target(cfg: C.TrainConfig, out: Path) -> Path:
@@ -53,8 +54,10 @@ def resolve_target(cfg: C.TrainConfig, out: Path) -> Path:
         return build_tiny_target(out / "tiny-target", cfg.model.seed)
     if Path(name).is_dir():
         return Path(name)
-    from peagle_jax import assets
+    from peagle_jax import assets, hub
 
+    if name not in assets.ASSETS and hub.is_repo_id(name):
+        return hub.download(name, "target")  # its errors are one line naming the id
     try:
         return assets.prepare(name)
     except Exception as e:  # noqa: BLE001
@@ -78,6 +81,8 @@ def check_resume(out: Path, cfg: C.TrainConfig) -> None:
     new = C.to_dict(cfg)
     for section in ("model", "data", "optim"):
         for k, v in new[section].items():
+            if section == "data" and k in C.REGENERATION_TRANSPORT:
+                continue
             if old.get(section, {}).get(k) != v:
                 raise TrainError(
                     f"{out} holds a run with {section}.{k}={old.get(section, {}).get(k)!r} "
@@ -93,14 +98,15 @@ def check_resume(out: Path, cfg: C.TrainConfig) -> None:
             )
 
 
-def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None) -> D.Dataset:
+def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None, mesh=None) -> D.Dataset:
     d = cfg.data
-    records = list(D.load_conversations(d.source, d.max_conversations, d.seed))
+    part = dict(split=d.split, subset=d.subset, revision=d.revision)  # of a Hub dataset
+    records = list(D.load_conversations(d.source, d.max_conversations, d.seed, **part))
     regenerated = None
     if d.regenerate:
-        from train.regenerate import regenerate
+        from train.regenerate import regenerate_for
 
-        regenerated = regenerate(records, target, tokenizer, out / "regenerated.jsonl", d.regenerate_tokens)
+        regenerated = regenerate_for(cfg, records, target, tokenizer, out, mesh, cfg.loop.progress and dist.is_main())
     examples, stats = D.tokenize(
         records,
         tokenizer,
@@ -272,7 +278,7 @@ def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, 
     check_target_fits(cfg, target.config, tpath, shards=_batch_shards(mesh))
     log(f"target {tpath} loaded")
     check_interrupted()
-    ds = load_data(cfg, target.tokenizer, out, target)
+    ds = load_data(cfg, target.tokenizer, out, target, mesh)
     log(f"data: {json.dumps(ds.stats)}")
     check_interrupted()
     if cfg.data.prepare_only:

@@ -26,7 +26,7 @@ from peagle_jax.config import NUM_AUX, TargetConfig, validate_aux_layer_ids
 from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
-from peagle_jax.sharding import shard_state
+from peagle_jax.sharding import ROLES, role_sharding, shard_state
 
 Prompt = Sequence[int] | str | Sequence[dict]
 
@@ -40,6 +40,16 @@ class GenerationResult:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
+
+
+def _rows_on_mesh(mesh, *arrays):
+    """The arrays as device arrays, their rows split over the mesh's batch axes (data x fsdp, as the
+    train step splits its batch) when those divide them; else placed as jit places them."""
+    if mesh is not None:
+        shards = math.prod(mesh.shape[a] for a in ROLES["batch"][0])
+        if shards > 1 and arrays[0].shape[0] % shards == 0:
+            return tuple(jax.device_put(a, role_sharding(mesh, "batch", a.ndim)) for a in arrays)
+    return tuple(jnp.asarray(a) for a in arrays)
 
 
 def _param_dtype(state):
@@ -279,7 +289,8 @@ class SpeculativeDecoder:
         for i, row in enumerate(ids):
             prompt[i, : len(row)] = row
             lens[i] = len(row)
-        return ids, jnp.asarray(prompt), jnp.asarray(lens), cache_len
+        prompt, lens = _rows_on_mesh(getattr(self.target, "mesh", None), prompt, lens)
+        return ids, prompt, lens, cache_len
 
     def _engine(self, temperature: float, top_p: float, stop_token_ids) -> sp.EngineConfig:
         stops = self.eos_ids

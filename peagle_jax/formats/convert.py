@@ -63,6 +63,7 @@ from peagle_jax.formats.head_config_write import speculators_config, vllm_config
 from peagle_jax.formats.inspect import format_report, inspect_folder
 from peagle_jax.formats.own import OWN_CONFIG_FILE, write_own
 from peagle_jax.formats.serving import SERVE_K, resolve_verifier, target_facts
+from peagle_jax.hub import repo_id_of, resolve
 
 __all__ = [
     "main",
@@ -151,11 +152,15 @@ def export_drafter(
     force: bool = False,
 ) -> tuple[Path, dict]:
     """Our checkpoint (or any folder `read_drafter` reads) -> a vLLM / speculators folder.
-    `verifier`: the target's hub id to record (speculators `verifier.name_or_path`).
+    `verifier`: the target's hub id to record (speculators `verifier.name_or_path`); default: the
+    id of a `target` that came from the Hub, else the one the head recorded. `ckpt` and `target`
+    may be Hub ids (`peagle_jax.hub`).
     Returns (folder, its inspect report, whose `serve` is the vLLM command line)."""
     if fmt not in FORMATS:
         raise ConvertError(f"unknown format {fmt!r} ({', '.join(FORMATS)})")
     parse_size(max_shard_size)
+    ckpt, target = resolve(ckpt, "head"), None if target is None else resolve(target, "target")
+    verifier = verifier or repo_id_of(target)
     dest = check_output(ckpt, out)
     check_destination(dest, overwrite, CONFIG_FILE)
     cfg, arrays = _read_head(ckpt, target)
@@ -249,8 +254,9 @@ def import_drafter_folder(
     would report a problem (NaN / Inf weights, aux ids outside the target's layers, ...), unless
     `force`. With a target (`target`, else the recorded verifier when it is here), a
     max_position_embeddings below the target's is raised to it, as export does (a note).
+    `src` and `target` may be Hub ids (`peagle_jax.hub`).
     Returns (the head's DrafterConfig, the inspect report of OUT, its `notes` first)."""
-    p = Path(src)
+    p, target = resolve(src, "head"), None if target is None else resolve(target, "target")
     if not p.exists():
         raise ConvertError(f"{p}: no such file or folder")
     if not p.is_dir():
@@ -293,11 +299,12 @@ def convert_target(
     """Load a target's HF folder as `load_target` does (`registry.target_config` + `weights.load_params`:
     every tensor consumed, every shape checked; aux layer ids play no part here) and write it back
     (config.json + safetensors, sharded above `max_shard_size`, tokenizer files copied).
-    dtype "auto" keeps bfloat16 sources in bfloat16 and reads everything else as float32."""
+    dtype "auto" keeps bfloat16 sources in bfloat16 and reads everything else as float32; `src` may
+    be a Hub id (`peagle_jax.hub`)."""
     from peagle_jax.models.registry import hf_config, target_config
     from peagle_jax.weights import TOKENIZER_FILES, load_params, target_tensors, tensors_dtype_name
 
-    p = Path(src)
+    p = resolve(src, "target")
     if not p.exists():
         raise ConvertError(f"{p}: no such folder")
     if not p.is_dir():
@@ -343,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"serve command (num_speculative_tokens = the trained depth capped at {SERVE_K}, P-EAGLE's best "
         "served K).",
     )
-    p.add_argument("ckpt", metavar="CKPT", help="drafter checkpoint folder")
+    p.add_argument("ckpt", metavar="CKPT", help="drafter checkpoint folder, or a Hub id (org/name)")
     p.add_argument("out", metavar="OUT", help="output folder")
     p.add_argument("--format", required=True, choices=FORMATS)
     p.add_argument(
@@ -361,14 +368,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         metavar="DIR",
-        help="the target's HF folder: checked against, and its "
+        help="the target's HF folder or Hub id: checked against, and its "
         "max_position_embeddings used when larger than the drafter's",
     )
     p.add_argument(
         "--verifier",
         metavar="ORG/NAME",
         help="the target's hub id to record (speculators "
-        "verifier.name_or_path, which `vllm serve OUT` needs; default: the one the drafter recorded)",
+        "verifier.name_or_path, which `vllm serve OUT` needs; default: --target's id when it came from the Hub, "
+        "else the one the drafter recorded)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT folder")
     p.add_argument("--force", action="store_true", help="write even when inspect reports problems")
@@ -382,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
         "peagle / eagle3 / dflash folder -> "
         "our checkpoint (drafter.json + state/), loaded by peagle_jax.load_drafter.",
     )
-    p.add_argument("src", metavar="SRC", help="source folder")
+    p.add_argument("src", metavar="SRC", help="source folder, or a Hub id (org/name)")
     p.add_argument("out", metavar="OUT", help="output checkpoint folder")
     p.add_argument(
         "--dtype",
@@ -393,7 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         metavar="DIR",
-        help="target HF folder: embeddings for an EAGLE-3 head that ships none (DFlash: embeddings and lm_head)",
+        help="target HF folder or Hub id: embeddings for an EAGLE-3 head that ships none (DFlash: embeddings and "
+        "lm_head)",
     )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT checkpoint")
     p.add_argument("--force", action="store_true", help="import even when inspect reports problems")
@@ -406,11 +415,12 @@ def build_parser() -> argparse.ArgumentParser:
         "K hints) and every problem that would stop vLLM or silently degrade it. Exit 0 when clean, 1 when "
         "there are problems, 2 when the folder cannot be inspected.",
     )
-    p.add_argument("dir", metavar="DIR", help="drafter folder (vLLM, speculators or ours)")
+    p.add_argument("dir", metavar="DIR", help="drafter folder (vLLM, speculators or ours), or a Hub id")
     p.add_argument(
         "--target",
         metavar="DIR",
-        help="target HF folder to check against (default: the recorded verifier path, when it exists here)",
+        help="target HF folder or Hub id to check against (default: the recorded verifier, when it is here "
+        "or in the Hugging Face cache)",
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -426,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("import-target", "a target's HF folder -> validated and normalised by this project"),
     ):
         p = sub.add_parser(name, help=text, description=text + "." + round_trip, formatter_class=defaults)
-        p.add_argument("src", metavar="SRC_HF", help="Hugging Face model folder")
+        p.add_argument("src", metavar="SRC_HF", help="Hugging Face model folder, or a Hub id (org/name)")
         p.add_argument("out", metavar="OUT", help="output folder")
         p.add_argument(
             "--dtype",
@@ -482,7 +492,8 @@ def _run(args) -> int:
             print(f"warning: (forced) {p}", file=sys.stderr)
         return 0
     if args.command == "inspect":
-        report = inspect_folder(args.dir, target=args.target)
+        target = None if args.target is None else resolve(args.target, "target")
+        report = inspect_folder(resolve(args.dir, "head"), target=target)
         print(json.dumps(report, indent=2) if args.json else format_report(report), file=out)
         return 1 if report["problems"] else 0
     if args.command in ("export-target", "import-target"):

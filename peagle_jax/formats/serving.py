@@ -7,7 +7,7 @@ head formats, `parallel_drafting` for P-EAGLE heads, K capped at `SERVE_K` (DFla
 `--model-impl transformers` for target families whose native vLLM model captures no aux hidden
 states. `target_facts` reads what the checks need from a target folder's config.json (any
 family, multimodal too), `target_findings` is what stops a head from serving beside that target,
-and `resolve_verifier` finds a head's recorded target on this machine.
+and `resolve_verifier` finds a head's recorded target on this machine (a Hub id: in the cache).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from peagle_jax.config import ConfigError, read_json
 from peagle_jax.formats.head_config import AUX_KEY, rope_params
+from peagle_jax.hub import cached
 from peagle_jax.models.registry import ARCHITECTURES, MODEL_TYPES, VLLM_EAGLE3_NATIVE
 
 __all__ = [
@@ -82,11 +83,12 @@ def is_hub_id(name) -> bool:
 
 def resolve_verifier(name, folder: str | os.PathLike) -> Path | None:
     """The target folder a head's recorded verifier names on this machine: relative to the
-    head's folder, then to the working directory. None when it is not here."""
+    head's folder, then to the working directory, then a Hub id's snapshot in the Hugging Face
+    cache (no request is made). None when it is not here."""
     if not name or not isinstance(name, str):
         return None
     cands = [Path(name)] if Path(name).is_absolute() else [Path(folder) / name, Path.cwd() / name]
-    return next((c.resolve() for c in cands if (c / "config.json").is_file()), None)
+    return next((c.resolve() for c in cands if (c / "config.json").is_file()), None) or cached(name)
 
 
 def target_facts(folder: str | os.PathLike) -> dict:

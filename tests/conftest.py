@@ -9,10 +9,6 @@ def pytest_configure(config):
     xla_env.configure()
 
 
-def pytest_unconfigure(config):
-    xla_env.remove_cache()
-
-
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     """kind -> (folder, torch model) of a tiny random HF model, built once per test module."""

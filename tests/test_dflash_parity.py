@@ -146,14 +146,8 @@ def speculators_logits(model, c, aux, ids, monkeypatch):
     return captured["logits"][0].numpy()
 
 
-@pytest.mark.parametrize("mask", ["dense", "kernels"])
-@pytest.mark.parametrize("case", list(CASES))
-def test_dflash_logits_equal_speculators(case, mask, monkeypatch):
-    c = CASES[case]
-    model = speculators_model(c)
-    drafter = our_drafter(c, model)
-    aux, ids = inputs(c)
-    want = speculators_logits(model, c, aux, ids, monkeypatch)
+def our_logits(drafter: Drafter, aux, ids, mask: str = "dense") -> np.ndarray:
+    """Our head's logits at every block row of ANCHORS over one packed sequence of L tokens."""
     out = block_rows_states(
         drafter.model,
         jnp.asarray(ids)[None],
@@ -164,7 +158,18 @@ def test_dflash_logits_equal_speculators(case, mask, monkeypatch):
         jnp.ones((1, len(ANCHORS)), bool),
         mask=mask,
     )
-    got = np.asarray(out.logits[0])
+    return np.asarray(out.logits[0])
+
+
+@pytest.mark.parametrize("mask", ["dense", "kernels"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_dflash_logits_equal_speculators(case, mask, monkeypatch):
+    c = CASES[case]
+    model = speculators_model(c)
+    drafter = our_drafter(c, model)
+    aux, ids = inputs(c)
+    want = speculators_logits(model, c, aux, ids, monkeypatch)
+    got = our_logits(drafter, aux, ids, mask)
     assert got.shape == want.shape == (len(ANCHORS) * c["block"], c["vd"])
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < TOL, f"{case}/{mask}: max relative difference {err:.2e}"

@@ -24,7 +24,7 @@ from peagle_jax.drafter import Drafter
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import speculative as sp
 from peagle_jax.formats import export_speculators, export_vllm, inspect_folder, read_drafter
-from peagle_jax.models.dflash import block_rows_states, causal_block_specs
+from peagle_jax.models.dflash import causal_block_specs
 
 S, F = "sliding_attention", "full_attention"
 WINDOW = 3
@@ -106,20 +106,6 @@ def load_saved(model, c, folder):
     return Drafter.from_arrays(cfg, arrays)
 
 
-def our_block_logits(drafter, par, aux, ids, mask: str):
-    out = block_rows_states(
-        drafter.model,
-        jnp.asarray(ids)[None],
-        jnp.asarray(aux)[None],
-        jnp.arange(par.L)[None],
-        jnp.zeros((1, par.L), jnp.int32),
-        jnp.asarray(par.ANCHORS)[None],
-        jnp.ones((1, len(par.ANCHORS)), bool),
-        mask=mask,
-    )
-    return np.asarray(out.logits[0])
-
-
 @pytest.mark.speculators
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 @pytest.mark.parametrize("mask", ["dense", "kernels"])
@@ -134,14 +120,14 @@ def test_window_logits_equal_speculators(head, mask, tmp_path, monkeypatch):
     assert (cfg.layer_types, cfg.sliding_window, cfg.sliding_window_non_causal) == (types, WINDOW, non_causal)
     aux, ids = par.inputs(c)
     want = par.speculators_logits(model, c, aux, ids, monkeypatch)
-    got = our_block_logits(drafter, par, aux, ids, mask)
+    got = par.our_logits(drafter, aux, ids, mask)
     err = np.abs(got - want).max() / np.abs(want).max()
     assert err < par.TOL, f"{head}/{mask}: max relative difference {err:.2e}"
     slots = np.tile(np.arange(c["block"]) != 0, len(par.ANCHORS))  # slot 0 is the bonus token
     assert np.array_equal(got[slots].argmax(-1), want[slots].argmax(-1))
     # the window and the causality change the logits, so the agreement above is not vacuous
     for other in (dataclasses.replace(cfg, layer_types=(F, F)), dataclasses.replace(cfg, sliding_window_non_causal=not non_causal)):  # fmt: skip
-        moved = our_block_logits(Drafter.from_arrays(other, drafter.arrays()), par, aux, ids, mask)
+        moved = par.our_logits(Drafter.from_arrays(other, drafter.arrays()), aux, ids, mask)
         assert np.abs(moved - want).max() / np.abs(want).max() > 1e-3, other
 
 

@@ -10,15 +10,11 @@ compute what the unpartitioned ones do."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import xla_env
-from limits import HANG_S
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
@@ -90,11 +86,8 @@ MESH_PROGRAM = Path(__file__).resolve().parent / "programs" / "lower_on_mesh.py"
 PARTITION_PROGRAM = Path(__file__).resolve().parent / "programs" / "partitioned_kernels.py"
 
 
-def run_on_8_devices(*args) -> dict:
-    env = {**xla_env.simulated_devices(8), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    res = subprocess.run([sys.executable, *map(str, args)], env=env, capture_output=True, text=True, timeout=HANG_S)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+def run_on_8_devices(program, *args) -> dict:
+    return xla_env.run_program(program, *args, devices=8)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import xla_env
 from flax import nnx
-from limits import HANG_S
 from safetensors.numpy import load_file, save_file
 
 import peagle_jax as pj
@@ -361,20 +360,9 @@ def test_expert_parallel_rule():
 @pytest.mark.slow
 def test_expert_parallel_engine_equals_single_device(loaded):
     """8 simulated devices (fsdp 2 x tensor 4): the expert stacks really spread, same logits and tokens."""
-    import subprocess
-    import sys
 
     folder, _, _ = loaded("gpt_oss")
-    env = {**xla_env.simulated_devices(8), "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, str(PROGRAMS / "moe_sharded.py"), str(folder)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = xla_env.run_program(PROGRAMS / "moe_sharded.py", folder, devices=8)
     assert out["expert_shards_False"] == 1
     assert out["expert_shards_True"] == 8
     np.testing.assert_allclose(np.asarray(out["logits_True"]), np.asarray(out["logits_False"]), atol=1e-5, rtol=0)

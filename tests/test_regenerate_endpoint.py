@@ -258,15 +258,5 @@ def test_an_interrupt_while_requests_wait_ends_the_run_and_keeps_the_cache(folde
 
 
 def test_in_process_regeneration_splits_its_batch_over_the_mesh(folder, tmp_path):
-    env = {**xla_env.simulated_devices(4), "PYTHONPATH": str(ROOT)}
-    program = ROOT / "tests" / "programs" / "regenerate_mesh.py"
-    proc = subprocess.run(
-        [sys.executable, str(program), str(folder), str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    got = xla_env.run_program(ROOT / "tests" / "programs" / "regenerate_mesh.py", folder, tmp_path, devices=4)
     assert got == {"same": True, "answered": N, "row_shards": 4}

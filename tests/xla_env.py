@@ -15,8 +15,13 @@ Benchmarks and `python -m train` keep XLA's and JAX's defaults."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
+
+from limits import HANG_S
 
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 CACHE_MIN_COMPILE_SECONDS = "0.2"  # JAX's default (1 s) would leave most of the tests' programs out
@@ -48,3 +53,14 @@ def simulated_devices(count: int) -> dict[str, str]:
     """The environment of a subprocess that sees `count` simulated CPU devices (and the test settings)."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}".strip()
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+
+
+def run_program(program, *args, devices: int) -> dict:
+    """The JSON of the last line `program args` prints, run on `devices` simulated CPU devices (a
+    subprocess: the device count is fixed when JAX starts); a failed run fails with its stderr."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**simulated_devices(devices), "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    cmd = [sys.executable, *map(str, (program, *args))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_S, cwd=root)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

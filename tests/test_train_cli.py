@@ -253,3 +253,21 @@ def test_a_step_whose_update_blows_up_the_head_stops_the_run():
     hook.after_step(trainer, {"loss": 2.0, "grad_norm": 1.0, "param_norm": 30.0})  # finite: nothing
     with pytest.raises(TrainError, match="step 7: param_norm is inf"):
         hook.after_step(trainer, {"loss": 2.0, "grad_norm": 1.0, "param_norm": float("inf")})
+
+
+def test_the_end_line_names_the_training_batches_acceptance_beside_the_held_out_one(capsys):
+    summary = _summary(
+        vllm_dir="OUT/vllm",
+        steps=9,
+        train_tokens=900,
+        wall_seconds=3.0,
+        per_depth_accuracy=[0.5, 0.25],
+        simulated_acceptance_length=1.81,
+        heldout={"eval_loss": 1.0, "eval_sim_tau": 1.23},
+        data={"heldout": 4},
+        serve="vllm serve T",
+    )
+    with mock.patch("train.loop.run", lambda cfg, hooks=(): summary):
+        assert entry.main(["--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "simulated acceptance length 1.81 on the last training batches, 1.23 on the 4 held-out conversations" in out

@@ -47,7 +47,8 @@ def train(cfg, hooks: Sequence = ()) -> int:
     print(
         f"trained {summary['steps']} steps, {summary['train_tokens']} tokens, in {summary['wall_seconds']:.0f} s: "
         f"final loss {loss if loss is None else round(loss, 4)}, per-depth accuracy [{acc}], "
-        f"simulated acceptance length {tau if tau is None else round(tau, 2)}"
+        f"simulated acceptance length {tau if tau is None else round(tau, 2)} on the last training batches"
+        + heldout_tau(summary)
     )
     ev = summary.get("eval")
     if ev:
@@ -59,6 +60,14 @@ def train(cfg, hooks: Sequence = ()) -> int:
     print_advice(summary)
     print(f"serve: {summary['serve']}")
     return 0
+
+
+def heldout_tau(summary: dict) -> str:
+    """The held-out simulated acceptance beside the training batches' one: batches the head has
+    learned from overstate what it accepts on new text (regenerated data most of all)."""
+    held, n = summary.get("heldout") or {}, summary.get("data", {}).get("heldout")
+    tau = held.get("eval_sim_tau")
+    return "" if tau is None else f", {tau:.2f} on the {n} held-out conversations"
 
 
 def print_advice(summary: dict) -> None:

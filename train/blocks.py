@@ -14,9 +14,10 @@ row, example index]) like the COD rows, so a resumed run draws the same ones.
 
 Loss (speculators' `compute_metrics` + `loss_function`): slot k >= 1 of anchor a is supervised
 when sup[a + k]; its teacher is the target's distribution at a + k - 1; it weighs
-exp(-(k - 1) / gamma) (slot 0: nothing). Per sequence sum(weight x KL) / (supervised rows +
-1e-5), then the mean over the sequences. Forward KL, CE on the target's top token, or a mix
-(`loop.ce_weight`, `train.loss.loss_target`).
+exp(-(k - 1) / gamma) (slot 0: nothing), or with `loop.dflash_weights dpace` speculators' D-PACE
+weight (`dpace_weights`). Per sequence sum(weight x KL) / (supervised rows + 1e-5), then the mean
+over the sequences. Forward KL, CE on the target's top token, or a mix (`loop.ce_weight`,
+`train.loss.loss_target`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "make_block_batch",
     "block_arrays",
     "slot_weights",
+    "dpace_weights",
     "block_loss_and_metrics",
     "block_stats",
     "accepted_lengths",
@@ -133,6 +135,19 @@ def slot_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.where(k >= 1, jnp.exp(-jnp.maximum(k - 1.0, 0.0) / gamma), 0.0)
 
 
+def dpace_weights(ce: jax.Array, sup: jax.Array, block_size: int, alpha: float) -> jax.Array:
+    """[B, n*bs] float32 D-PACE weights (speculators' `dpace_loss_decay`) from the per-row
+    cross-entropy ce and the supervised rows sup [B, n*bs]: a supervised slot j weighs
+    sum over supervised k >= j of prod_{i <= k} s_i, s_i = (1 - alpha) exp(-ce_i) + alpha the
+    smoothed confidence (1 on unsupervised slots); 0 elsewhere. No gradient flows through it."""
+    b = ce.shape[0]
+    m = sup.reshape(b, -1, block_size).astype(jnp.float32)
+    q = jnp.exp(-jax.lax.stop_gradient(ce).reshape(m.shape).astype(jnp.float32) * m)  # theirs: CE already masked
+    smooth = jnp.where(m > 0, (1.0 - alpha) * q + alpha, 1.0)
+    suffix = jnp.flip(jnp.cumsum(jnp.flip(jnp.cumprod(smooth, axis=-1) * m, -1), axis=-1), -1)
+    return (suffix * m).reshape(b, -1)
+
+
 def block_rows(anchor, valid, sup, block_size: int):
     """(drafted position a + k [B, n*bs], supervised bool [B, n*bs], slot [n*bs]) of the block rows."""
     length = sup.shape[1]
@@ -143,12 +158,26 @@ def block_rows(anchor, valid, sup, block_size: int):
 
 
 def block_loss_and_metrics(
-    parts, params, frozen, aux, y, head_w, batch, *, gamma: float, ce_weight: float, softcap, attention: str
+    parts,
+    params,
+    frozen,
+    aux,
+    y,
+    head_w,
+    batch,
+    *,
+    gamma: float,
+    ce_weight: float,
+    softcap,
+    attention: str,
+    weights: str = "exp",
+    dpace_alpha: float = 0.5,
 ):
     """(loss, metrics) of one DFlash batch from target features aux [B, L, n*Ht] (the head's
     context layers) and final-norm states y [B, L, Ht]; `head_w` [Vd, Ht]: the target's lm_head
-    rows of the draft vocabulary. metrics: loss, correct / total per draft slot 1..B-1, and per
-    row hit / sup [B, n*bs] (for `block_stats`)."""
+    rows of the draft vocabulary. weights: exp (`slot_weights`) or dpace (`dpace_weights`).
+    metrics: loss, correct / total per draft slot 1..B-1, and per row hit / sup [B, n*bs] (for
+    `block_stats`)."""
     model = parts.merge(params, frozen)
     bs, anchor, valid = model.config.block_size, batch["anchor"], batch["anchor_valid"]
     mask = attention_for(attention, anchor.shape[1] * bs)
@@ -161,8 +190,14 @@ def block_loss_and_metrics(
     dist_ = loss_target(teacher, ce_weight, top_t)
     supf = sup.astype(jnp.float32)
     count = jnp.sum(supf, axis=1, keepdims=True)  # per sequence, as speculators' loss_mask.sum(dim=1)
-    weight = supf * slot_weights(bs, gamma)[slot] / (count + EPS) / anchor.shape[0]
-    loss, _, hit = fused_kl(*model.head_inputs(res.prenorm), dist_, ref, weight, take_rows(top_t, ref))
+    hn, w = model.head_inputs(res.prenorm)
+    top_ref = take_rows(top_t, ref)
+    slot_w = slot_weights(bs, gamma)[slot]
+    if weights == "dpace":  # a forward-only pass first (one more [rows, Vd] product): weights from each row's CE
+        _, ce, _ = fused_kl(jax.lax.stop_gradient(hn), jax.lax.stop_gradient(w), dist_, ref, supf, top_ref)
+        slot_w = dpace_weights(ce, sup, bs, dpace_alpha)
+    weight = supf * slot_w / (count + EPS) / anchor.shape[0]
+    loss, _, hit = fused_kl(hn, w, dist_, ref, weight, top_ref)
     onehot = jax.nn.one_hot(slot, bs, dtype=jnp.float32) * supf[..., None]
     correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=(0, 1))[1:]
     total = jnp.sum(onehot, axis=(0, 1))[1:]

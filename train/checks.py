@@ -156,6 +156,17 @@ def _optim_loop_checks(cfg) -> list[tuple[bool, str]]:
         (_finite32(lp.chain_decay) and lp.chain_decay > 0, "loop.chain_decay must be a finite number > 0"),
         (_finite32(lp.dflash_gamma) and lp.dflash_gamma > 0, "loop.dflash_gamma must be a finite number > 0"),
         (_finite32(lp.ce_weight) and 0 <= lp.ce_weight <= 1, "loop.ce_weight must be a number in [0, 1]"),
+        (lp.dflash_weights in ("exp", "dpace"), f"loop.dflash_weights must be exp or dpace, got {lp.dflash_weights!r}"),
+        (_finite32(lp.dpace_alpha) and 0 < lp.dpace_alpha <= 1, "loop.dpace_alpha must be a number in (0, 1]"),
+        (
+            lp.dflash_weights != "dpace" or cfg.model.mode == "dflash",
+            f"loop.dflash_weights dpace weighs DFlash block slots: it needs --model.mode dflash (not {cfg.model.mode})",
+        ),
+        (
+            lp.dflash_weights != "dpace" or lp.ce_weight == 1,
+            "loop.dflash_weights dpace reads each slot's cross-entropy as its confidence: it needs --loop.ce_weight 1 "
+            "(speculators' rule: dpace requires loss_fn ce)",
+        ),
         (_segments_ok(lp.segments), f"loop.segments must be an integer >= 1 or auto, got {lp.segments!r}"),
         (lp.max_rows_per_segment >= 1, "loop.max_rows_per_segment must be >= 1"),
         (_finite(lp.max_seconds) and lp.max_seconds >= 0, "loop.max_seconds must be a finite number >= 0 (0 = none)"),

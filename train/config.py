@@ -201,6 +201,11 @@ class LoopConfig:
     """Chain mode: weight of step j is chain_decay**j (speculators' ttt_step_loss_decay)."""
     dflash_gamma: float = 4.0
     """DFlash: block slot k >= 1 weighs exp(-(k - 1) / dflash_gamma) in the loss (speculators' gamma)."""
+    dflash_weights: str = "exp"
+    """DFlash: the block slots' loss weights: exp (exp(-(k - 1) / dflash_gamma)) or dpace (speculators' D-PACE: each
+    supervised slot weighs the smoothed confidence of the slots up to it and after; needs loop.ce_weight 1)."""
+    dpace_alpha: float = 0.5
+    """DFlash with loop.dflash_weights dpace: the confidence smoothing in (0, 1] (speculators' dpace_alpha)."""
     ce_weight: float = 0.0
     """Share of cross-entropy on the target's top token in the loss, the rest forward KL to its distribution: 0 KL,
     1 CE, between a mix (speculators' loss_fn kl_div / ce / {"kl_div": 1 - w, "ce": w}); every mode."""

@@ -90,7 +90,17 @@ def check_resume(out: Path, cfg: C.TrainConfig) -> None:
                 )
     # a run saved before loop.ce_weight had forward KL, or CE with DFlash's loop.dflash_loss ce
     old_loop = {"ce_weight": 1.0 if old["loop"].get("dflash_loss") == "ce" else 0.0, **old["loop"]}
-    for k in ("steps", "epochs", "per_depth_loss", "chain_decay", "dflash_gamma", "ce_weight"):
+    old_loop = {"dflash_weights": "exp", "dpace_alpha": 0.5, **old_loop}  # saved before loop.dflash_weights
+    for k in (
+        "steps",
+        "epochs",
+        "per_depth_loss",
+        "chain_decay",
+        "dflash_gamma",
+        "ce_weight",
+        "dflash_weights",
+        "dpace_alpha",
+    ):
         if old_loop.get(k) != new["loop"][k]:
             raise TrainError(
                 f"{out} holds a run with loop.{k}={old_loop.get(k)!r} (now {new['loop'][k]!r}): "

@@ -247,13 +247,16 @@ class TrainStep:
         aux_layer_ids=None,
         gamma: float = 4.0,
         ce_weight: float = 0.0,
+        dflash_weights: str = "exp",
+        dpace_alpha: float = 0.5,
     ):
         """mesh: a (data, fsdp, tensor) Mesh (peagle_jax.sharding): the steps are jitted with explicit
         shardings (parameters and optimizer state by its rule table, batch rows over data x fsdp,
         logged scalars replicated); `state` = (params, opt_state, frozen) templates gives their
         structures. Place the state with `place_state`; batches are this process's rows (`rows`).
         aux_layer_ids: the target layers the head reads (None: the target's; a DFlash head's own);
-        mode "dflash": `train.blocks` batches, slot weights exp(-(k-1)/gamma); ce_weight: the share of
+        mode "dflash": `train.blocks` batches, slot weights exp(-(k-1)/gamma) or D-PACE (dflash_weights
+        dpace, smoothing dpace_alpha: `train.blocks.dpace_weights`); ce_weight: the share of
         cross-entropy on the teacher's top token in every mode's loss (`train.loss.loss_target`)."""
         self.parts, self.optimizer = parts, optimizer
         self.mesh = mesh
@@ -275,6 +278,7 @@ class TrainStep:
         lossf = functools.partial(loss_and_metrics, parts, **kw)
         if mode == "dflash":
             block_kw = dict(gamma=gamma, ce_weight=ce_weight, softcap=softcap, attention=attention)
+            block_kw.update(weights=dflash_weights, dpace_alpha=dpace_alpha)
             lossf = functools.partial(block_loss_and_metrics, parts, **block_kw)
         seglossf = functools.partial(segmented_loss, parts, **kw)  # batches with "seg_rows" (see partition)
         aux_ids = self.aux_ids

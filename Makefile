@@ -3,7 +3,10 @@ PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: test test-fast test-slow lint demo report clean
+CVENV := .venv-compile
+CBIN := $(CVENV)/bin
+
+.PHONY: test test-fast test-slow lint demo report clean compile-venv test-compile
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -15,6 +18,22 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[test,demo,train,speculators,report]'
 	$(BIN)/pip install -q --no-deps speculators==0.9.0
 	touch $@
+
+# the accelerators' compilers (jax[tpu] + jax[cuda12], ~6.5 GB), deviceless, in a venv of their own so
+# that the main one stays CPU-only: tests/compile/ and `python -m peagle_jax.plan` run in it
+$(CBIN)/python:
+	$(PY) -m venv $(CVENV)
+	$(CBIN)/pip install -q --upgrade pip
+
+$(CVENV)/.installed: pyproject.toml | $(CBIN)/python
+	$(CBIN)/pip install -q -e '.[compile]'
+	touch $@
+
+compile-venv: $(CVENV)/.installed
+
+# compile-only tests: the CUDA (H100) and TPU (v5e) compilers on the kernels, no device needed
+test-compile: $(CVENV)/.installed
+	$(CBIN)/python -m pytest -q -p no:xdist tests/compile --durations=5
 
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[demo,train]'
@@ -28,12 +47,15 @@ lint: $(VENV)/.installed-test
 
 # tests run in parallel workers (most of a test's time is single-threaded XLA compilation), one file
 # per worker at a time so that module fixtures (models, reference runs) are built once
-test: lint
+test: lint $(CVENV)/.installed
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25
+	$(CBIN)/python -m pytest -q -p no:xdist tests/compile --durations=5
 
-# the minutes-long checks the default run leaves out (the released-size head, the MoE matrix)
-test-slow: $(VENV)/.installed-test
+# the minutes-long checks the default run leaves out (the released-size head, the MoE matrix, the
+# train steps through the TPU compiler)
+test-slow: $(VENV)/.installed-test $(CVENV)/.installed
 	$(BIN)/python -m pytest -q -m slow
+	$(CBIN)/python -m pytest -q -p no:xdist -m slow tests/compile
 
 test-fast: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m 'not real and not gpu'
@@ -48,4 +70,4 @@ report: $(VENV)/.installed-test
 	$(BIN)/python -m infer.report $(REPORT_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(CVENV) .pytest_cache

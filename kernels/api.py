@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,7 @@ from .partition import per_shard
 from .schedule import DEFAULT_NUM_RANGES, build_schedule, pad_rows
 from .spec import AttentionSpec
 
-__all__ = ["attention", "resolve_backend", "platform", "for_platform", "DEFAULT_BLOCKS"]
+__all__ = ["attention", "resolve_backend", "platform", "for_platform", "fit_blocks", "DEFAULT_BLOCKS"]
 
 BACKENDS = ("auto", "xla", "gpu", "tpu", "dense", "reference")
 # (block_q, block_k) defaults per backend. xla: a KV block of 512 keys makes each tile's products
@@ -151,22 +152,13 @@ def attention(
         return (out, lse) if return_lse else out
 
     D = q.shape[-1]
-    dq_, dk_ = DEFAULT_BLOCKS[backend]
-    bq = int(block_q or dq_)
-    bk = int(block_k or dk_)
-    Tq, Tk = q.shape[1], k.shape[1]
-    if backend == "gpu":
-        from . import gpu as impl
-
-        bq, bk = impl.fit_blocks(bq, bk, Tq, Tk)
-    elif backend == "tpu":
-        from . import tpu as impl
-
-        bq, bk = impl.fit_blocks(bq, bk, Tq, Tk)
-    else:
-        from . import xla as impl
-
-        bq, bk = min(bq, _ceil_to(Tq, 8)), min(bk, _ceil_to(Tk, 8))
+    blocks = fit_blocks(backend, block_q, block_k, q.shape[1], k.shape[1], D, jnp.dtype(q.dtype).itemsize)
+    if blocks is None:  # the device cannot hold the kernel's tiles: the blockwise XLA path instead
+        warnings.warn(FALLBACK.format(backend=backend, D=D, dtype=q.dtype), stacklevel=2)
+        backend, blocks = "xla", fit_blocks("xla", None, None, q.shape[1], k.shape[1], D, 4)
+    bq, bk = blocks
+    impl = _backend_module(backend)
+    Tq = q.shape[1]
 
     cfg = C.KernelConfig(
         scale=spec.resolved_scale(D),
@@ -199,6 +191,37 @@ def attention(
             heads=(q.shape[2], k.shape[2]),
         )
     return (out, lse) if return_lse else out
+
+
+FALLBACK = (
+    "kernels.attention: the Pallas {backend} kernel's tiles at head dim {D} ({dtype}) do not fit this device's "
+    "limits (kernels.limits); using the blockwise XLA backend"
+)
+
+
+def fit_blocks(backend: str, block_q, block_k, Tq: int, Tk: int, head_dim: int, itemsize: int):
+    """(block_q, block_k) of a blockwise backend for this shape on the device traced for
+    (`kernels.limits`): the given sizes or DEFAULT_BLOCKS, shortened for short sequences and
+    shrunk to the device's memory; None when the Pallas kernel cannot be served at all."""
+    dq_, dk_ = DEFAULT_BLOCKS[backend]
+    bq, bk = int(block_q or dq_), int(block_k or dk_)
+    if backend == "xla":
+        return min(bq, _ceil_to(Tq, 8)), min(bk, _ceil_to(Tk, 8))
+    return _backend_module(backend).fit_blocks(bq, bk, Tq, Tk, head_dim, itemsize)
+
+
+def _backend_module(backend: str):
+    if backend == "gpu":
+        from . import gpu
+
+        return gpu
+    if backend == "tpu":
+        from . import tpu
+
+        return tpu
+    from . import xla
+
+    return xla
 
 
 def _ceil_to(n, m):

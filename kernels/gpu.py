@@ -23,9 +23,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import _common as C
+from . import limits
 from .schedule import flat_ids
 
-__all__ = ["op", "fit_blocks", "attention_fwd", "attention_bwd"]
+__all__ = ["op", "fit_blocks", "smem_bytes", "attention_fwd", "attention_bwd"]
 
 _NT = (((1,), (1,)), ((), ()))  # a @ b.T
 _TN = (((0,), (0,)), ((), ()))  # a.T @ b
@@ -36,12 +37,31 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-def fit_blocks(block_q: int, block_k: int, Tq: int, Tk: int):
-    """Power-of-two blocks >= 16, no larger than needed for short sequences."""
+def smem_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int) -> int:
+    """Shared memory Triton asks for the largest of the three kernels (the backward's): per query
+    row three f32 staging tiles and the q / dO tiles, per key row the k / v tiles. Fitted to the
+    CUDA compiler's requests at head dims 64-256 in bf16 and f32 (it over-estimates a little:
+    what it admits compiles; tests/compile/ checks each family's head shape)."""
+    return head_dim * (block_q * (12 + 2 * itemsize) + block_k * 2 * itemsize)
+
+
+def fit_blocks(block_q: int, block_k: int, Tq: int, Tk: int, head_dim: int = 64, itemsize: int = 2):
+    """Power-of-two blocks >= 16, no larger than needed for short sequences, halved (block_q
+    first) until `smem_bytes` fits the traced-for GPU's shared memory (`kernels.limits`).
+    None when even 16 x 16 tiles do not fit (the caller takes another path)."""
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if b < 16 or b & (b - 1):
             raise ValueError(f"gpu backend: {name}={b} must be a power of two >= 16")
-    return min(block_q, max(16, _next_pow2(Tq))), min(block_k, max(16, _next_pow2(Tk)))
+    bq, bk = min(block_q, max(16, _next_pow2(Tq))), min(block_k, max(16, _next_pow2(Tk)))
+    D, limit = max(16, _next_pow2(head_dim)), limits.current("gpu").smem_per_block
+    while smem_bytes(bq, bk, D, itemsize) > limit:
+        if bq == bk == 16:
+            return None
+        if bq > 16:
+            bq //= 2
+        else:
+            bk //= 2
+    return bq, bk
 
 
 def _dot(a, b, dims):

@@ -63,14 +63,17 @@ def per_shard(fn, args: tuple, layouts: tuple[str, ...], out_layouts, *, batch: 
     """fn(*args) under the active `partitioned` context: a shard_map whose specs follow each
     operand's layout ("bthd" [B, T, H, D], "bt" [B, T], "bht" [B, H, T], "h" [H]; None operands
     pass through). `batch`: B; `heads`: every head count that must divide (Hq, Hkv).
-    Without a context (or on a one-device split) it is fn(*args)."""
+    Without a context (or on a one-device mesh) it is fn(*args); when neither the batch nor the
+    heads split over the mesh, each device runs the whole call."""
     part = _PARTITION.get()
     if part is None:
         return fn(*args)
     b = _axes_dividing(part.mesh, part.batch, batch)
     h = _axes_dividing(part.mesh, part.heads, *heads)
-    if b is None and h is None:
+    if b is None and h is None and part.mesh.size == 1:
         return fn(*args)
+    # neither dimension splits: every device runs the whole call (still a shard_map: Mosaic
+    # refuses XLA's automatic partitioning, and a Triton call would be gathered anyway)
 
     def spec(layout):
         return P(*({"b": b, "h": h}.get(d) if d else None for d in _LAYOUTS[layout]))

@@ -30,9 +30,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _common as C
+from . import limits
 from .schedule import range_offsets
 
-__all__ = ["op", "fit_blocks", "attention_fwd", "attention_bwd", "LANES"]
+__all__ = ["op", "fit_blocks", "vmem_bytes", "attention_fwd", "attention_bwd", "LANES"]
 
 LANES = 128
 SUBLANES = 8
@@ -40,7 +41,21 @@ _NT = (((1,), (1,)), ((), ()))
 _NN = (((1,), (0,)), ((), ()))
 
 
-def fit_blocks(block_q: int, block_k: int, Tq: int, Tk: int):
+def vmem_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int) -> int:
+    """VMEM of the largest kernel (dK/dV): q, dO, k, v blocks in and dk, dv out, double-buffered;
+    two [block, D] f32 scratches; two f32 [block_q, block_k] score-sized temporaries; the
+    lane-replicated metadata columns, double-buffered. A budget, checked by the TPU compiler
+    (tests/compile/)."""
+    io = 2 * itemsize * head_dim * (2 * block_q + 4 * block_k)
+    scratch = 2 * 4 * head_dim * max(block_q, block_k)
+    tiles = 2 * 4 * block_q * block_k
+    meta = 2 * 4 * 3 * LANES * (block_q + block_k)
+    return io + scratch + tiles + meta
+
+
+def fit_blocks(block_q: int, block_k: int, Tq: int, Tk: int, head_dim: int = 128, itemsize: int = 2):
+    """Multiples of 128, no larger than needed for short sequences, halved (the larger first)
+    until `vmem_bytes` fits the traced-for TPU's scoped VMEM (`kernels.limits`)."""
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if b % LANES:
             raise ValueError(f"tpu backend: {name}={b} must be a multiple of {LANES}")
@@ -48,7 +63,14 @@ def fit_blocks(block_q: int, block_k: int, Tq: int, Tk: int):
     def ceil(n):
         return -(-n // LANES) * LANES
 
-    return min(block_q, ceil(Tq)), min(block_k, ceil(Tk))
+    def half(b):
+        return max(LANES, b // 2 // LANES * LANES)
+
+    bq, bk = min(block_q, ceil(Tq)), min(block_k, ceil(Tk))
+    limit = limits.current("tpu").vmem_bytes
+    while vmem_bytes(bq, bk, head_dim, itemsize) > limit and (bq, bk) != (LANES, LANES):
+        bq, bk = (half(bq), bk) if bq >= bk else (bq, half(bk))
+    return bq, bk
 
 
 def _interpret(cfg):

@@ -70,17 +70,22 @@ def spec_for(path: str, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
     return P()
 
 
-def shard_state(state, mesh: jax.sharding.Mesh):
-    """Places every array of an NNX state pytree on `mesh` by the rule table."""
+def state_shardings(state, mesh: jax.sharding.Mesh):
+    """The NamedSharding of every array (or ShapeDtypeStruct) of an NNX state pytree by the rule table."""
 
-    def place(path, x):
+    def one(path, x):
         # dict keys and list indices name the parameter; attribute keys (a Variable's value) do not
         name = "/".join(
             str(k.key if hasattr(k, "key") else k.idx) for k in path if hasattr(k, "key") or hasattr(k, "idx")
         )
-        return jax.device_put(x, NamedSharding(mesh, spec_for(name, x.shape, mesh)))
+        return NamedSharding(mesh, spec_for(name, x.shape, mesh))
 
-    return jax.tree_util.tree_map_with_path(place, state)
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def shard_state(state, mesh: jax.sharding.Mesh):
+    """Places every array of an NNX state pytree on `mesh` by the rule table."""
+    return jax.device_put(state, state_shardings(state, mesh))
 
 
 def mesh_shape(data: int, fsdp: int, tensor: int, devices: int) -> tuple[int, int, int]:

@@ -100,6 +100,31 @@ def total_steps(cfg: C.TrainConfig, n_train: int) -> int:
     return cfg.loop.steps or max(1, math.ceil(cfg.loop.epochs * n_train / cfg.data.batch_size))
 
 
+def train_step(cfg, parts, optimizer, target, head_w, aux_layer_ids, **placement) -> TrainStep:
+    """The TrainStep a TrainConfig asks for (the trainer's, and the one `peagle_jax.plan` compiles);
+    `placement`: TrainStep's mesh / state."""
+    mc, lc = cfg.model, cfg.loop
+    return TrainStep(
+        parts,
+        optimizer,
+        target,
+        head_w,
+        mode=mc.mode,
+        k=mc.k_train,
+        per_depth=lc.per_depth_loss,
+        chain_decay=lc.chain_decay,
+        attention=mc.attention,
+        segments=lc.segments,
+        max_rows_per_segment=lc.max_rows_per_segment,
+        aux_layer_ids=aux_layer_ids,
+        gamma=lc.dflash_gamma,
+        ce_weight=lc.ce_weight,
+        dflash_weights=lc.dflash_weights,
+        dpace_alpha=lc.dpace_alpha,
+        **placement,
+    )
+
+
 class Trainer:
     """A head for `target` trained by `cfg` over `steps` optimizer steps.
 
@@ -142,24 +167,15 @@ class Trainer:
             params["norm.weight"] = jax.numpy.asarray(tnorm, params["norm.weight"].dtype)
         self.optimizer = make_optimizer(cfg.optim, steps)
         opt_state = self.optimizer.init(params)
-        lc = cfg.loop
-        self.stepper = TrainStep(
+        self.stepper = train_step(
+            cfg,
             parts,
             self.optimizer,
             target,
             head_w,
-            mode=mc.mode,
-            k=mc.k_train,
-            per_depth=lc.per_depth_loss,
-            chain_decay=lc.chain_decay,
-            attention=mc.attention,
-            segments=lc.segments,
-            max_rows_per_segment=lc.max_rows_per_segment,
+            self.drafter.config.aux_layer_ids,
             mesh=mesh,
             state=(params, opt_state, frozen),
-            aux_layer_ids=self.drafter.config.aux_layer_ids,
-            gamma=lc.dflash_gamma,
-            ce_weight=lc.ce_weight,
         )
         self.params, self.opt_state, self.frozen = self.stepper.place_state(params, opt_state, frozen)
 

@@ -1,0 +1,79 @@
+"""`python -m peagle_jax.plan --target T --device D --job train|serve [--json FILE]`
+
+Compiles, for device D (h100, h200, h100x8, h200x8x2, v5e-8, v5p-8, v6e-8, v5e-256, ...) and no
+device present, the programs a user runs on target T (an HF folder, a folder with only
+config.json, or a preset: see --list) with abstract weights: the train step of each head mode
+(P-EAGLE "parallel", EAGLE-3 "chain", DFlash "dflash"), or the speculative round of each mode
+and the plain decode step ("none"). Prints one line per program: compiled or the compiler's
+refusal, bytes per device (arguments / temporaries / outputs) against the device's memory, the
+Pallas kernels in it, the compile time. `--search` doubles the sequence length (train) or the
+batch (serve) until a program is refused or does not fit, and reports the largest that did."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from peagle_jax.cli import OneLineParser, run
+from peagle_jax.plan.devices import deviceless_env, parse_device
+from peagle_jax.plan.presets import PRESETS, target_config
+
+
+def parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m peagle_jax.plan", description=__doc__.split("\n\n")[1])
+    p.add_argument("--target", help="an HF folder, a folder with config.json, or a preset name")
+    p.add_argument("--device", help="h100, h200, h100x8, h200x8x2, v5e-8, v5p-8, v6e-8, v5e-256, ...")
+    p.add_argument("--job", choices=("train", "serve"), default="train")
+    p.add_argument("--modes", default=None, help="comma-separated modes (default: all of the job's)")
+    p.add_argument("--tokens", type=int, default=4096, help="train: tokens per sequence")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (train: devices) or rows (serve: 1)")
+    p.add_argument("--k", type=int, default=7, help="serve: drafts per round")
+    p.add_argument("--cache-len", type=int, default=8192, help="serve: KV cache slots per row")
+    p.add_argument("--layers", type=int, default=None, help="the target's layers (fewer: a faster compile)")
+    p.add_argument("--headroom", type=float, default=0.9, help="share of device memory a program may plan for")
+    p.add_argument(
+        "--train-flag", action="append", default=[], help="a `python -m train` flag, e.g. --model.num_layers=2"
+    )
+    p.add_argument("--search", action="store_true", help="the largest tokens (train) / batch (serve) that fits")
+    p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    p.add_argument("--list", action="store_true", help="list the preset targets and exit")
+    return p
+
+
+def parse(argv):
+    args = parser().parse_args(argv)
+    if args.list:
+        return args
+    if not (args.target and args.device):
+        parser().error("--target and --device are required")
+    try:
+        args.device = parse_device(args.device)
+    except ValueError as err:
+        parser().error(f"--device: {err}")
+    if not (args.target.lower() in {k.lower() for k in PRESETS} or Path(args.target).exists()):
+        parser().error(f"--target {args.target!r}: neither a folder nor a preset ({', '.join(PRESETS)})")
+    if args.layers is not None and args.layers < 3:  # EAGLE-3 features: 3 distinct target layers
+        parser().error(f"--layers {args.layers}: at least 3 (the heads read 3 distinct target layers)")
+    return args
+
+
+def work(args) -> int:
+    if args.list:
+        print("\n".join(PRESETS))
+        return 0
+    deviceless_env()
+    from peagle_jax.plan.run import plan
+
+    result = plan(args, args.device, target_config(args.target, args.layers))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if all(p["compiled"] for p in result["programs"]) else 1
+
+
+def main(argv=None) -> int:
+    return run(argv, parse, work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

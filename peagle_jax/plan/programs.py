@@ -1,0 +1,263 @@
+"""The programs a user runs, built over abstract weights and compiled for a device without one.
+
+Weights are `jax.ShapeDtypeStruct`s (`nnx.eval_shape`: nothing allocated, nothing read) carrying
+the shardings the real run gives them (the `peagle_jax.sharding` rule table over a mesh of the
+topology's devices), so `jit(...).lower(...).compile()` runs the device's own compiler (XLA GPU with
+Triton and ptxas, or XLA TPU with Mosaic) on the real shapes. Jobs: the train step (the head's
+trainer step with the target inside it, as `python -m train` runs it) and serving (the speculative
+round of each mode, and the plain decode step: the engine's mode "none").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kernels
+from peagle_jax.drafter import Drafter, head_config
+from peagle_jax.engine import cache as kv
+from peagle_jax.engine import speculative as sp
+from peagle_jax.models.drafter import abstract_drafter, flat_state, param_key
+from peagle_jax.sharding import AXES, kernels_partitioned, state_shardings, tree_shardings
+from peagle_jax.target import Target
+from peagle_jax.weights import abstract_model
+
+__all__ = ["Program", "abstract_target", "abstract_head", "train_step", "serve_round", "compile_program", "mesh_of"]
+
+KERNEL_NAME = re.compile(r"peagle_[a-z_]+")
+
+
+@dataclasses.dataclass
+class Program:
+    """One compiled (or refused) program and XLA's plan of its buffers per device."""
+
+    name: str
+    compiled: bool
+    error: str | None = None
+    argument_bytes: int = 0
+    temp_bytes: int = 0
+    output_bytes: int = 0
+    alias_bytes: int = 0
+    compile_seconds: float = 0.0
+    kernels: tuple[str, ...] = ()
+    flops: float | None = None
+
+    @property
+    def peak_bytes(self) -> int:
+        """Arguments + temporaries + outputs not aliased to a (donated) argument."""
+        return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
+
+
+def mesh_of(devices, job: str = "serve") -> jax.sharding.Mesh:
+    """A (data, fsdp, tensor) mesh over topology devices: training splits sequences and weights
+    over fsdp (every device); serving splits heads over tensor within a host (fast links), rows over data."""
+    n = len(devices)
+    shape = (1, n, 1) if job == "train" else (n // min(n, 8), 1, min(n, 8))
+    grid = np.asarray(devices).reshape(shape)
+    return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+def placed(tree, shardings):
+    """ShapeDtypeStructs of `tree`'s leaves with `shardings` (a matching tree, or one sharding for all)."""
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def abstract_target(config, dtype: str, mesh) -> Target:
+    """A Target whose state is ShapeDtypeStructs placed on `mesh` by the rule table (no weight read)."""
+    graphdef, state = abstract_model(config, dtype)
+    target = Target(config, graphdef, placed(state, state_shardings(state, mesh)))
+    target.mesh = mesh
+    return target
+
+
+def abstract_head(target: Target, mode: str, *, num_layers=1, draft_vocab=16384, k=8, dtype="float32", flags=None):
+    """A Drafter of `new_drafter`'s shape for `target` with ShapeDtypeStruct weights on its mesh."""
+    v = target.config.vocab_size
+    vd = draft_vocab if 0 < draft_vocab < v else v
+    config = head_config(target, num_layers, mode, vd, None, k, **(flags or {}))
+    graphdef, state = abstract_drafter(config, dtype)
+    return Drafter(config, graphdef, placed(state, state_shardings(state, target.mesh)))
+
+
+def compile_program(name: str, lower) -> Program:
+    """Compiles `lower()` (a jax Lowered): a Program with its byte counts, or the compiler's refusal."""
+    t0 = time.perf_counter()
+    try:
+        lowered = lower()
+        text = lowered.as_text()
+        compiled = lowered.compile()
+    except Exception as err:  # the compiler's refusal (RESOURCE_EXHAUSTED, ...) is the result
+        msg = " ".join(str(err).split())
+        return Program(
+            name, False, error=f"{type(err).__name__}: {msg[:400]}", compile_seconds=time.perf_counter() - t0
+        )
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis() or {}
+    cost = cost[0] if isinstance(cost, list) else cost
+    return Program(
+        name,
+        True,
+        argument_bytes=int(mem.argument_size_in_bytes),
+        temp_bytes=int(mem.temp_size_in_bytes),
+        output_bytes=int(mem.output_size_in_bytes),
+        alias_bytes=int(mem.alias_size_in_bytes),
+        compile_seconds=time.perf_counter() - t0,
+        kernels=tuple(sorted(set(KERNEL_NAME.findall(text)))),
+        flops=cost.get("flops"),
+    )
+
+
+def platform_of(mesh) -> str:
+    return "tpu" if mesh.devices.flat[0].platform == "tpu" else "cuda"
+
+
+# ---------------------------------------------------------------- the train step
+
+
+def synthetic_examples(batch: int, tokens: int, vocab: int):
+    """`batch` sequences of `tokens` ids, the second half supervised (the step's shapes only
+    depend on the lengths; the COD rows are sampled from them as in training)."""
+    from train.data import Example
+
+    rng = np.random.default_rng(0)
+    mask = np.arange(tokens) >= tokens // 2
+    return [Example(rng.integers(5, min(vocab, 30000), tokens).astype(np.int32), mask, i) for i in range(batch)]
+
+
+def train_step(
+    target: Target, mode: str, *, tokens: int, batch: int = 1, compute_dtype="bfloat16", flags=(), segments="auto"
+):
+    """The Lowered train step of `python -m train` on `target` (its mesh): one batch of `batch`
+    sequences of `tokens` tokens. `flags`: more `python -m train` flags (the head's shape)."""
+    from train.config import parse_args
+    from train.trainer import head_flags
+
+    args = ["--model.mode", mode, "--model.compute_dtype", compute_dtype, "--data.max_len", str(tokens)]
+    cfg = parse_args([*args, "--data.batch_size", str(batch), "--loop.segments", str(segments), *flags])
+    mc = cfg.model
+    head = abstract_head(
+        target, mode, num_layers=mc.num_layers, draft_vocab=mc.draft_vocab, k=mc.k_train, dtype=mc.dtype,
+        flags={k: v for k, v in head_flags(mc).items() if k != "init_layer"},
+    )  # fmt: skip
+    stepper, state = _stepper(cfg, target, head)
+    arrays = _batch_arrays(cfg, stepper, target, batch, tokens)
+    with kernels_partitioned(target.mesh if target.mesh.size > 1 else None):
+        return stepper.lower(*state, arrays, platform_of(target.mesh))
+
+
+def _stepper(cfg, target: Target, head: Drafter):
+    """The trainer's TrainStep over abstract (params, opt_state, frozen), placed by the rule table."""
+    from train.optim import make_optimizer
+    from train.step import Parts, compute_parts, trainable
+    from train.trainer import train_step
+
+    mc, mesh = cfg.model, target.mesh
+    flat = flat_state(head.state)
+    dflash = mc.mode == "dflash"
+    is_trained = nnx_predicate(trainable(mc.freeze_embed or dflash, mc.freeze_lm_head or dflash))
+    params = {param_key(p): v.get_raw_value() for p, v in flat.items() if is_trained(p, v)}
+    frozen = {param_key(p): v.get_raw_value() for p, v in flat.items() if not is_trained(p, v)}
+    parts = compute_parts(Parts(head.graphdef, tuple(flat.items())), head.config, mc.compute_dtype, mc.dtype)
+    optimizer = make_optimizer(cfg.optim, 1000)
+    opt_state = jax.eval_shape(optimizer.init, params)
+    state = tuple(placed(x, tree_shardings(x, mesh)) for x in (params, opt_state, frozen))
+    vd, h = head.config.draft_vocab_size, target.config.hidden_size
+    head_w = jax.ShapeDtypeStruct((vd, h), jnp.dtype(mc.dtype), sharding=NamedSharding(mesh, P(("tensor", "fsdp"))))
+    return train_step(cfg, parts, optimizer, target, head_w, head.config.aux_layer_ids), state
+
+
+def nnx_predicate(filter_):
+    from flax import nnx
+
+    return nnx.filterlib.to_predicate(filter_)
+
+
+def _batch_arrays(cfg, stepper, target: Target, batch: int, tokens: int) -> dict:
+    """The step's batch as ShapeDtypeStructs split over data x fsdp (COD rows or DFlash blocks
+    sampled from synthetic sequences: the shapes a real batch of that length has)."""
+    from train import cod
+    from train.blocks import block_arrays, make_block_batch
+    from train.step import batch_arrays
+
+    exs = synthetic_examples(batch, tokens, target.config.vocab_size)
+    dc, mc = cfg.data, cfg.model
+    if mc.mode == "dflash":
+        b = make_block_batch(exs, step=0, seed=0, length=tokens, block_size=mc.block_size, max_anchors=dc.max_anchors)
+        arrays = block_arrays(b)
+    else:
+        b = cod.make_batch(
+            exs, step=0, seed=dc.seed, max_len=dc.max_len, mode=mc.mode, k=mc.k_train, r=dc.cod_r,
+            r_min=dc.cod_r_min, max_anchors=dc.max_anchors, row_factor=dc.row_factor, length_buckets=1,
+            row_granularity=dc.row_granularity, length=tokens,
+        )  # fmt: skip
+        arrays = stepper.partition(batch_arrays(b))
+    mesh = target.mesh
+    rows = NamedSharding(mesh, P(("data", "fsdp")) if batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else P())
+    return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=rows) for k, v in arrays.items()}
+
+
+# ---------------------------------------------------------------- serving
+
+
+def serve_round(target: Target, head: Drafter | None, mode: str, *, batch: int, k: int, cache_len: int):
+    """The Lowered speculative round of `mode` ("none": the plain decode step, one token a row)
+    over caches of `cache_len` slots for `batch` rows, state as the engine's prefill leaves it."""
+    cfg = sp.EngineConfig(k=k, mode=mode, aux_layer_ids=tuple(target.aux_layer_ids), mesh=_engine_mesh(target))
+    if head is not None and head.config.aux_layer_ids is not None:
+        cfg = dataclasses.replace(cfg, aux_layer_ids=tuple(head.config.aux_layer_ids))
+    ddef, dstate = (None, None) if mode == "none" else (head.graphdef, head.state)
+    state = decode_state(cfg, target, head if mode != "none" else None, batch, cache_len)
+    with kernels.for_platform(platform_of(target.mesh)):
+        return sp.jit_round.trace(cfg, target.graphdef, target.state, ddef, dstate, state).lower()
+
+
+def _engine_mesh(target: Target):
+    return target.mesh if target.mesh.size > 1 else None
+
+
+def decode_state(cfg, target: Target, head, batch: int, cache_len: int):
+    """The abstract DecodeState of `batch` rows (jit_prefill's output shapes), caches split as
+    the weights' kv heads are (over tensor) and rows over data."""
+    tspec = kv.spec(target.config, batch, cache_len, target.dtype)
+    dspec = None if head is None else kv.spec(head.config, batch, cache_len, float_dtype(head.state))
+    rows = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
+    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    with kernels.for_platform("cpu"):  # shapes only
+        shapes = jax.eval_shape(
+            lambda ts, ds, p, n, b, key: sp.prefill(cfg, *sp_modules(target, head, ts, ds), p, n, b,
+                                                     kv.allocate(tspec), kv.allocate(dspec), key),
+            target.state, None if head is None else head.state, rows, lens, lens, key,
+        )  # fmt: skip
+    mesh = target.mesh
+    cache = NamedSharding(mesh, _cache_spec(mesh, batch, target.config.num_kv_heads))
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache if x.ndim == 4 else rep), shapes
+    )
+
+
+def float_dtype(state):
+    """The parameter dtype of a state (its first floating leaf: d2t is int32)."""
+    return next(x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def sp_modules(target: Target, head, tstate, dstate):
+    from flax import nnx
+
+    return nnx.merge(target.graphdef, tstate), None if head is None else nnx.merge(head.graphdef, dstate)
+
+
+def _cache_spec(mesh, batch: int, kv_heads: int) -> P:
+    data = "data" if batch % mesh.shape["data"] == 0 and mesh.shape["data"] > 1 else None
+    tensor = "tensor" if kv_heads % mesh.shape["tensor"] == 0 and mesh.shape["tensor"] > 1 else None
+    return P(data, None, tensor, None)

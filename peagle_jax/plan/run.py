@@ -1,0 +1,112 @@
+"""The plan of one job on one device: the programs built, compiled, printed and summarised."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from peagle_jax.plan.devices import Device, topology_devices
+from peagle_jax.plan.programs import (
+    Program,
+    abstract_head,
+    abstract_target,
+    compile_program,
+    mesh_of,
+    serve_round,
+    train_step,
+)
+
+__all__ = ["plan", "job_programs", "line", "fits"]
+
+GiB = 1 << 30
+MODES = {"train": ("parallel", "chain", "dflash"), "serve": ("parallel", "chain", "dflash", "none")}
+
+
+def fits(p: Program, device: Device, headroom: float) -> bool:
+    return p.compiled and p.peak_bytes <= headroom * device.memory_bytes
+
+
+def line(p: Program, device: Device, headroom: float) -> str:
+    """One line: the verdict, bytes per device against its memory, kernels, compile time."""
+    if not p.compiled:
+        return f"REFUSED  {p.name}: {p.error}  ({p.compile_seconds:.1f} s)"
+    mem = device.memory_bytes
+    verdict = "fits" if fits(p, device, headroom) else "DOES NOT FIT"
+    return (
+        f"compiled {p.name}: {verdict}; per device args {p.argument_bytes / GiB:.2f} + temp {p.temp_bytes / GiB:.2f}"
+        f" + out {p.output_bytes / GiB:.2f} - aliased {p.alias_bytes / GiB:.2f} = {p.peak_bytes / GiB:.2f} GiB"
+        f" of {mem / GiB:.1f} GiB (headroom {(mem - p.peak_bytes) / GiB:.2f} GiB);"
+        f" kernels: {', '.join(p.kernels) or 'none'}; {p.compile_seconds:.1f} s"
+    )
+
+
+def job_programs(job: str, modes, target, *, tokens: int, batch: int, k: int, cache_len: int, flags=()):
+    """(name, lower) of each program of the job: train steps, or serving rounds and the decode step."""
+    out = []
+    for mode in modes:
+        if job == "train":
+            lower = _train_lower(target, mode, tokens, batch, flags)
+            out.append((f"train/{mode} tokens={tokens} batch={batch}", lower))
+        else:
+            lower = _serve_lower(target, mode, batch, k, cache_len)
+            name = "decode step" if mode == "none" else f"round/{mode} k={k}"
+            out.append((f"serve/{name} batch={batch} cache={cache_len}", lower))
+    return out
+
+
+def _train_lower(target, mode, tokens, batch, flags):
+    return lambda: train_step(target, mode, tokens=tokens, batch=batch, flags=flags)
+
+
+def _serve_lower(target, mode, batch, k, cache_len):
+    def lower():
+        head = None if mode == "none" else abstract_head(target, mode, k=8, dtype=target.dtype.name)
+        return serve_round(target, head, mode, batch=batch, k=k, cache_len=cache_len)
+
+    return lower
+
+
+def plan(args, device: Device, tcfg) -> dict:
+    """Compiles the job's programs for `device` (printing one line each) -> the JSON summary."""
+    from kernels.limits import on_device
+
+    devices = topology_devices(device)
+    hosts = len({d.process_index for d in devices})
+    device = dataclasses.replace(device, hosts=hosts)
+    print(f"{device.name}: {device.describe()}; target {tcfg.model_type} x {tcfg.num_layers} layers")
+    mesh = mesh_of(devices, args.job)
+    target = abstract_target(tcfg, "bfloat16", mesh)
+    modes = args.modes.split(",") if args.modes else MODES[args.job]
+    batch = args.batch or (mesh.shape["fsdp"] if args.job == "train" else 1)
+    results = []
+    with on_device(device.kind):
+        for mode in modes:
+            sizes = _search_sizes(args) if args.search else [None]
+            best = None
+            for size in sizes:
+                tokens, b = (size or args.tokens, batch) if args.job == "train" else (args.tokens, size or batch)
+                (name, lower), = job_programs(
+                    args.job, [mode], target, tokens=tokens, batch=b, k=args.k, cache_len=args.cache_len,
+                    flags=args.train_flag,
+                )  # fmt: skip
+                p = compile_program(name, lower)
+                print(line(p, device, args.headroom), flush=True)
+                results.append(_record(p, device, args.headroom, tokens=tokens, batch=b))
+                if not fits(p, device, args.headroom):
+                    break
+                best = size
+            if args.search:
+                print(f"largest that fits, {mode}: {best or 'none'} {'tokens' if args.job == 'train' else 'rows'}")
+    return {"device": dataclasses.asdict(device), "target": tcfg.model_type, "layers": tcfg.num_layers,
+            "job": args.job, "programs": results}  # fmt: skip
+
+
+def _search_sizes(args) -> list[int]:
+    start = args.tokens if args.job == "train" else (args.batch or 1)
+    return [start * 2**i for i in range(12)]
+
+
+def _record(p: Program, device: Device, headroom: float, **sizes) -> dict:
+    rec = dataclasses.asdict(p) | sizes
+    rec.update(peak_bytes=p.peak_bytes, device_memory_bytes=device.memory_bytes, fits=fits(p, device, headroom))
+    rec["headroom_bytes"] = device.memory_bytes - p.peak_bytes if p.compiled else None
+    return rec

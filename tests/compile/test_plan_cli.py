@@ -1,0 +1,61 @@
+"""`python -m peagle_jax.plan` end to end, as a user runs it (a subprocess of this venv's Python):
+a folder holding only config.json planned on a v5e-8, the compiler's refusal of a cache that
+cannot fit, and flags it cannot use (exit 2, one line naming the flag)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from peagle_jax.plan.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+DECODE = ["--device", "v5e-8", "--job", "serve", "--layers", "3", "--modes", "none"]
+
+
+def plan(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "peagle_jax.plan", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+
+
+def test_a_config_only_folder_compiles_and_fits(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["Llama-3.1-8B"]))
+    out = tmp_path / "plan.json"
+    done = plan("--target", str(tmp_path), *DECODE, "--cache-len", "2048", "--json", str(out))
+    assert done.returncode == 0, done.stderr[-2000:]
+    (program,) = json.loads(out.read_text())["programs"]
+    assert program["compiled"] is True and program["fits"] is True
+    assert {"argument_bytes", "temp_bytes", "output_bytes", "peak_bytes", "headroom_bytes"} <= set(program)
+    assert 0 < program["peak_bytes"] < program["device_memory_bytes"]
+    assert program["headroom_bytes"] == program["device_memory_bytes"] - program["peak_bytes"]
+    assert "compiled serve/decode step" in done.stdout
+
+
+def test_a_cache_too_big_for_the_device_is_the_compilers_refusal(tmp_path):
+    out = tmp_path / "plan.json"
+    done = plan("--target", "Llama-3.1-8B", *DECODE, "--batch", "256", "--cache-len", "131072", "--json", str(out))
+    assert done.returncode == 1
+    (program,) = json.loads(out.read_text())["programs"]
+    assert program["compiled"] is False and program["fits"] is False
+    assert "RESOURCE_EXHAUSTED" in program["error"] and "\n" not in program["error"]
+    (refused,) = [ln for ln in done.stdout.splitlines() if ln.startswith("REFUSED")]
+    assert "decode step batch=256 cache=131072" in refused
+
+
+@pytest.mark.parametrize(
+    ("flag", "args"),
+    [
+        ("--device", ["--target", "Llama-3.1-8B", "--device", "h300"]),
+        ("--target", ["--target", "no-such-model", "--device", "v5e-8"]),
+        ("--layers", ["--target", "Llama-3.1-8B", "--device", "v5e-8", "--layers", "1"]),
+    ],
+)
+def test_a_bad_flag_is_one_line_and_exit_2(flag, args):
+    done = plan(*args)
+    assert done.returncode == 2
+    (message,) = done.stderr.strip().splitlines()
+    assert message.startswith("error:") and flag in message

@@ -5,16 +5,16 @@ dpace), the flag reaches a trainer run's loss, and the default stays exp-decay."
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_train_dflash import block_batch
 
 from peagle_jax.cli import UsageError
-from train.blocks import BlockBatch, block_loss_and_metrics, dpace_weights
+from train.blocks import block_loss_and_metrics, dpace_weights
 from train.config import parse_args
 from train.loop import run
 from train.step import split_params
@@ -55,17 +55,7 @@ def test_dpace_weights_equal_speculators(alpha):
 
 def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, **kw):
     parts, params, frozen = split_params(drafter, True, True)
-    length = len(ids)
-    batch = BlockBatch(
-        np.asarray(ids, np.int32)[None],
-        np.arange(length, dtype=np.int32)[None],
-        np.asarray(mask, bool)[None],
-        np.zeros((1, length), np.int32),
-        np.asarray(anchors, np.int32)[None],
-        np.asarray(valid, bool)[None],
-        length,
-    )
-    arrays = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items() if k != "n_tokens"}
+    _, arrays = block_batch(ids, mask, anchors, valid)
     kw = dict(gamma=4.0, ce_weight=1.0, softcap=None, attention="dense", **kw)
     lossf = functools.partial(block_loss_and_metrics, parts, **kw)
     (loss, _), grads = jax.jit(jax.value_and_grad(lossf, has_aux=True))(

@@ -56,8 +56,8 @@ def speculators_loss(model, torch, core, loss_config, aux, ids, mask, hidden, an
     return float(loss), {k: float(v) for k, v in metrics.items()}
 
 
-def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, ce_weight: float, attention: str = "dense"):
-    parts, params, frozen = split_params(drafter, True, True)
+def block_batch(ids, mask, anchors, valid) -> tuple[BlockBatch, dict]:
+    """The BlockBatch of one sequence (one document) with its anchors, and the loss's arrays of it."""
     length = len(ids)
     batch = BlockBatch(
         np.asarray(ids, np.int32)[None],
@@ -68,7 +68,12 @@ def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, ce_weight: floa
         np.asarray(valid, bool)[None],
         length,
     )
-    arrays = {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items() if k != "n_tokens"}
+    return batch, {k: jnp.asarray(v) for k, v in dataclasses.asdict(batch).items() if k != "n_tokens"}
+
+
+def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, ce_weight: float, attention: str = "dense"):
+    parts, params, frozen = split_params(drafter, True, True)
+    batch, arrays = block_batch(ids, mask, anchors, valid)
     kw = dict(gamma=4.0, ce_weight=ce_weight, softcap=None, attention=attention)
     loss, m = jax.jit(functools.partial(block_loss_and_metrics, parts, **kw))(
         params, frozen, aux[None], y[None], head_w, arrays

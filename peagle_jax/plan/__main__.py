@@ -53,6 +53,8 @@ def parse(argv):
         parser().error(f"--device: {err}")
     if not (args.target.lower() in {k.lower() for k in PRESETS} or Path(args.target).exists()):
         parser().error(f"--target {args.target!r}: neither a folder nor a preset ({', '.join(PRESETS)})")
+    if not 0 < args.headroom <= 1:
+        parser().error(f"--headroom {args.headroom}: a share of the device's memory, in (0, 1]")
     if args.layers is not None and args.layers < 3:  # EAGLE-3 features: 3 distinct target layers
         parser().error(f"--layers {args.layers}: at least 3 (the heads read 3 distinct target layers)")
     return args
@@ -63,12 +65,12 @@ def work(args) -> int:
         print("\n".join(PRESETS))
         return 0
     deviceless_env()
-    from peagle_jax.plan.run import plan
+    from peagle_jax.plan.run import plan, planned_ok
 
     result = plan(args, args.device, target_config(args.target, args.layers))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return 0 if all(p["compiled"] for p in result["programs"]) else 1
+    return 0 if planned_ok(result) else 1
 
 
 def main(argv=None) -> int:

@@ -15,7 +15,7 @@ from peagle_jax.plan.programs import (
     train_step,
 )
 
-__all__ = ["plan", "job_programs", "line", "fits"]
+__all__ = ["plan", "planned_ok", "job_programs", "line", "fits"]
 
 GiB = 1 << 30
 MODES = {"train": ("parallel", "chain", "dflash"), "serve": ("parallel", "chain", "dflash", "none")}
@@ -77,7 +77,7 @@ def plan(args, device: Device, tcfg) -> dict:
     target = abstract_target(tcfg, "bfloat16", mesh)
     modes = args.modes.split(",") if args.modes else MODES[args.job]
     batch = args.batch or (mesh.shape["fsdp"] if args.job == "train" else 1)
-    results = []
+    results, largest = [], {}
     with on_device(device.kind):
         for mode in modes:
             sizes = _search_sizes(args) if args.search else [None]
@@ -90,14 +90,22 @@ def plan(args, device: Device, tcfg) -> dict:
                 )  # fmt: skip
                 p = compile_program(name, lower)
                 print(line(p, device, args.headroom), flush=True)
-                results.append(_record(p, device, args.headroom, tokens=tokens, batch=b))
+                results.append(_record(p, device, args.headroom, tokens=tokens, batch=b, cache_len=args.cache_len))
                 if not fits(p, device, args.headroom):
                     break
                 best = size
             if args.search:
+                largest[mode] = best
                 print(f"largest that fits, {mode}: {best or 'none'} {'tokens' if args.job == 'train' else 'rows'}")
     return {"device": dataclasses.asdict(device), "target": tcfg.model_type, "layers": tcfg.num_layers,
-            "job": args.job, "programs": results}  # fmt: skip
+            "job": args.job, "programs": results, "largest": largest}  # fmt: skip
+
+
+def planned_ok(result: dict) -> bool:
+    """Exit status 0: every program fits (a search: some size fits in every mode)."""
+    if result["largest"]:
+        return all(size is not None for size in result["largest"].values())
+    return all(p["fits"] for p in result["programs"])
 
 
 def _search_sizes(args) -> list[int]:

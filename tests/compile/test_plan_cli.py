@@ -1,6 +1,6 @@
 """`python -m peagle_jax.plan` end to end, as a user runs it (a subprocess of this venv's Python):
-a folder holding only config.json planned on a v5e-8, the compiler's refusal of a cache that
-cannot fit, and flags it cannot use (exit 2, one line naming the flag)."""
+a folder holding only config.json planned on a v5e-8, a program that compiles but passes the
+memory share a plan allows (exit 1), the compiler's refusal of a cache that cannot fit, and flags it cannot use (exit 2, one line naming the flag)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def test_a_config_only_folder_compiles_and_fits(tmp_path):
     assert "compiled serve/decode step" in done.stdout
 
 
+def test_a_program_that_compiles_but_does_not_fit_exits_1(tmp_path):
+    out = tmp_path / "plan.json"
+    done = plan("--target", "Llama-3.1-8B", *DECODE, "--cache-len", "2048", "--headroom", "0.001", "--json", str(out))
+    assert done.returncode == 1, done.stderr[-2000:]
+    (program,) = json.loads(out.read_text())["programs"]
+    assert program["compiled"] is True and program["fits"] is False
+    assert "compiled serve/decode step batch=1 cache=2048: DOES NOT FIT" in done.stdout
+
+
 def test_a_cache_too_big_for_the_device_is_the_compilers_refusal(tmp_path):
     out = tmp_path / "plan.json"
     done = plan("--target", "Llama-3.1-8B", *DECODE, "--batch", "256", "--cache-len", "131072", "--json", str(out))
@@ -52,6 +61,7 @@ def test_a_cache_too_big_for_the_device_is_the_compilers_refusal(tmp_path):
         ("--device", ["--target", "Llama-3.1-8B", "--device", "h300"]),
         ("--target", ["--target", "no-such-model", "--device", "v5e-8"]),
         ("--layers", ["--target", "Llama-3.1-8B", "--device", "v5e-8", "--layers", "1"]),
+        ("--headroom", ["--target", "Llama-3.1-8B", "--device", "v5e-8", "--headroom", "1.5"]),
     ],
 )
 def test_a_bad_flag_is_one_line_and_exit_2(flag, args):

@@ -14,7 +14,7 @@ This package depends on nothing else in the project.
 """
 
 from . import chain, decode, dense, layouts, reference, schedule, slots
-from .api import attention, for_platform, platform, resolve_backend
+from .api import DENSE_MAX_ROWS, attention, for_platform, platform, resolve_backend
 from .partition import partitioned
 from .schedule import BlockSchedule, make_schedule
 from .slots import slot_attention
@@ -26,6 +26,7 @@ __all__ = [
     "dense",
     "AttentionSpec",
     "attention",
+    "DENSE_MAX_ROWS",
     "resolve_backend",
     "platform",
     "for_platform",

@@ -17,13 +17,16 @@ from .partition import per_shard
 from .schedule import DEFAULT_NUM_RANGES, build_schedule, pad_rows
 from .spec import AttentionSpec
 
-__all__ = ["attention", "resolve_backend", "platform", "for_platform", "fit_blocks", "DEFAULT_BLOCKS"]
+__all__ = ["attention", "resolve_backend", "platform", "for_platform", "fit_blocks", "DEFAULT_BLOCKS", "DENSE_MAX_ROWS"]
 
 BACKENDS = ("auto", "xla", "gpu", "tpu", "dense", "reference")
 # (block_q, block_k) defaults per backend. xla: a KV block of 512 keys makes each tile's products
 # large enough for XLA CPU to spread over cores, for ~6% more visited pairs
 # (docs/design/attention-kernels.md)
 DEFAULT_BLOCKS = {"xla": (128, 512), "gpu": (64, 64), "tpu": (128, 128)}
+# the most rows the callers that choose attend with one dense [rows, rows] mask (it compiles faster);
+# beyond, the blockwise kernels (they skip masked blocks, and their memory grows with rows, not rows^2)
+DENSE_MAX_ROWS = 512
 
 
 PLATFORMS = ("cpu", "cuda", "gpu", "rocm", "tpu")

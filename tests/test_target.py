@@ -57,6 +57,27 @@ def test_matches_transformers(kind, built):
     _close(out.hidden, hidden_states[-1], 1e-5, "final-norm hidden")
 
 
+@pytest.mark.parametrize("kind", ["llama-mha-untied", "gemma3", "gpt_oss"])
+def test_a_long_sequence_attends_blockwise_and_matches_transformers(kind, built):
+    """Past kernels.DENSE_MAX_ROWS tokens a forward without a cache (training features) runs the
+    blockwise kernels, with no [T, T] scores in the program, and the same numbers (window,
+    softcap and sinks included)."""
+    from flax import nnx
+
+    folder, hf = built(kind)
+    target = pj.load_target(folder, dtype="float32", aux_layer_ids=AUX)
+    t = 640
+    ids = hf_tiny.tokens(1, t, seed=3)
+    logits, hidden_states = hf_tiny.hf_run(hf, ids)
+    out = target.forward(ids)
+    _close(out.logits, logits, 1e-4, "logits")
+    _close(out.aux_hidden[..., -hf_tiny.HIDDEN :], hidden_states[AUX[-1]], 1e-5, "aux")
+    model = nnx.merge(target.graphdef, target.state)
+    positions = jnp.arange(t)[None]
+    text = jax.jit(lambda x: model(x, positions).logits).lower(jnp.asarray(ids)).as_text()
+    assert f"{t}x{t}x" not in text and f"x{t}x{t}x" not in text
+
+
 def test_old_rope_keys_parse_the_same(built, tmp_path):
     """transformers v4 `rope_theta` + `rope_scaling` (with `type` or `rope_type`) = v5 `rope_parameters`."""
     folder, _ = built("llama-gqa2-tied-llama3")

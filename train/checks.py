@@ -386,6 +386,8 @@ def step_bytes(cfg, tc) -> int:
     features and the head's rows (activations, their gradients, the draft logits), plus the dense
     attention scores. It is meant to catch settings off by orders of magnitude before a compile
     that would fail minutes later, not to size a run."""
+    from kernels import DENSE_MAX_ROWS  # after the target loaded: jax is in already
+
     m, d = cfg.model, cfg.data
     b, t, h = d.batch_size, d.max_len, tc.hidden_size
     vd = m.draft_vocab if 0 < m.draft_vocab < tc.vocab_size else tc.vocab_size
@@ -397,7 +399,7 @@ def step_bytes(cfg, tc) -> int:
         keys = rows
     floats = t * h * 4  # the target features the head reads (aux states, the final hidden)
     floats += rows * (8 * h * m.num_layers + 3 * vd)  # the head's activations and gradients, the logits
-    dense = m.attention == "dense" or (m.attention == "auto" and rows <= 512)
+    dense = m.attention == "dense" or (m.attention == "auto" and rows <= DENSE_MAX_ROWS)
     if dense:
         floats += 2 * rows * keys * max(1, tc.num_heads) * m.num_layers  # scores and their gradient
     return 4 * b * floats

@@ -35,15 +35,14 @@ from train.loss import fused_draft_loss, next_rows, take_rows, teacher_logits
 __all__ = ["attention_for", "segment_bounds", "row_segments", "resolve_segments", "segment_rows", "segmented_loss"]
 
 EPS = 1e-5  # train.loss.draft_loss's denominator epsilon (speculators 0.9.0)
-DENSE_MAX_ROWS = 512
 
 
 def attention_for(attention: str, rows: int) -> str:
-    """`--model.attention auto`: one dense [rows, rows] mask for up to DENSE_MAX_ROWS rows (it
+    """`--model.attention auto`: one dense [rows, rows] mask for up to kernels.DENSE_MAX_ROWS rows (it
     compiles faster), the blockwise kernels beyond (they skip masked blocks: 1.4x faster per
     step already at 1792 rows on CPU, bench/train_speed.py)."""
     if attention == "auto":
-        return "dense" if rows <= DENSE_MAX_ROWS else "kernels"
+        return "dense" if rows <= kernels.DENSE_MAX_ROWS else "kernels"
     return attention
 
 

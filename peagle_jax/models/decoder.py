@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kernels
 from peagle_jax.config import TargetConfig
 from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
 from peagle_jax.models.moe import MoE
@@ -72,8 +73,8 @@ class DecoderLayer(nnx.Module):
                 rngs=rngs,
             )
 
-    def __call__(self, x, positions, kv_cache=None):
-        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache)
+    def __call__(self, x, positions, kv_cache=None, backend="dense"):
+        attn, kv_cache = self.self_attn(self.input_layernorm(x), positions, kv_cache, None, backend)
         if self.sandwich:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
@@ -128,10 +129,13 @@ class Decoder(nnx.Module):
         """
         x = self.embed(tokens)
         aux, new_cache = [], []
+        # without a cache (training features, scoring): the blockwise kernels past DENSE_MAX_ROWS
+        # tokens, so a long sequence's attention needs no [T, T] scores (quadratic memory)
+        long = cache is None and tokens.shape[1] > kernels.DENSE_MAX_ROWS
         for i, layer in enumerate(self.layers):
             if i in aux_layer_ids:
                 aux.append((aux_layer_ids.index(i), x))
-            x, kv = layer(x, positions, None if cache is None else cache[i])
+            x, kv = layer(x, positions, None if cache is None else cache[i], "auto" if long else "dense")
             new_cache.append(kv)
         hidden = self.norm(x)
         aux_hidden = jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1) if aux else x[..., :0]

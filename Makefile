@@ -48,8 +48,10 @@ lint: $(VENV)/.installed-test
 # tests run in parallel workers (most of a test's time is single-threaded XLA compilation), one file
 # per worker at a time so that module fixtures (models, reference runs) are built once
 test: lint $(CVENV)/.installed
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25
-	$(CBIN)/python -m pytest -q -p no:xdist tests/compile --durations=5
+	@start=$$(date +%s); \
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25 && \
+	$(CBIN)/python -m pytest -q -p no:xdist tests/compile --durations=5 && \
+	echo "make test: both suites passed in $$(( $$(date +%s) - start )) s"
 
 # the minutes-long checks the default run leaves out (the released-size head, the MoE matrix, the
 # train steps through the TPU compiler)

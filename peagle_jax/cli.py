@@ -114,8 +114,8 @@ def terminate_as_interrupt() -> None:
     gc callback, a finaliser, a weakref callback) or that some code swallows on its way up is
     raised again just after (a timer, `_recheck`); `run` turns a recorded signal into exit 130
     whatever the work returned. Call it at the start of a CLI's work."""
-    signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)  # last: a caught SIGTERM says both are installed
 
 
 def interrupted() -> int | None:

@@ -46,7 +46,7 @@ def train_command(out: Path, steps: int, target: Path | None = None) -> list[str
 
 
 def catches(pid: int, sig) -> bool:
-    """The process has its own handler for `sig` installed (/proc/PID/status SigCgt): the CLI is up."""
+    """The process has a handler for `sig` installed (/proc/PID/status SigCgt)."""
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("SigCgt:"):
@@ -55,13 +55,15 @@ def catches(pid: int, sig) -> bool:
 
 
 def interrupt(cmd: list[str], sig, ready, logs: Path) -> subprocess.CompletedProcess:
-    """Run `cmd`, send `sig` once its handler is installed and `ready(stderr so far)` holds
-    (polled), wait for the end."""
+    """Run `cmd`, send `sig` once the CLI's handlers are installed and `ready(stderr so far)` holds
+    (polled), wait for the end. The CLI's handlers are up when SIGTERM is caught (`terminate_as_interrupt`
+    installs it after SIGINT): Python catches SIGINT from its own start, before the CLI's handler,
+    so SIGINT's bit alone would send the signal into the interpreter's start-up."""
     err_path = logs / "stderr.txt"
     with err_path.open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err, text=True)
         deadline = time.monotonic() + HANG_S
-        while proc.poll() is None and time.monotonic() < deadline and not catches(proc.pid, sig):
+        while proc.poll() is None and time.monotonic() < deadline and not catches(proc.pid, signal.SIGTERM):
             time.sleep(0.01)
         while not ready(err_path.read_text()) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_train_dflash as train_dflash
 from test_train_dflash import block_batch
 
 from peagle_jax.cli import UsageError
@@ -65,23 +66,10 @@ def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, **kw):
 
 
 def speculators_loss(model, torch, core, eager, inputs, monkeypatch, **kw):
-    aux, ids, mask, hidden, anchors, valid = inputs
-    n = len(anchors)
-    monkeypatch.setattr(
-        core, "select_anchors", lambda *a, **k: (torch.as_tensor(anchors), torch.as_tensor(valid, dtype=torch.bool))
+    loss, _ = train_dflash.speculators_loss(
+        model, torch, core, {"ce": (eager.ce_loss, 1.0)}, *inputs, monkeypatch, **kw
     )
-    with torch.no_grad():
-        _, loss, _ = model(
-            hidden_states=torch.as_tensor(aux)[None],
-            input_ids=torch.as_tensor(ids)[None],
-            loss_mask=torch.as_tensor(mask, dtype=torch.float32)[None],
-            verifier_last_hidden_states=torch.as_tensor(hidden)[None],
-            document_ids=torch.zeros(1, len(ids), dtype=torch.long),
-            max_anchors=n,
-            loss_config={"ce": (eager.ce_loss, 1.0)},
-            **kw,
-        )
-    return float(loss)
+    return loss
 
 
 @pytest.mark.speculators

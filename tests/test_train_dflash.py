@@ -38,7 +38,9 @@ def speculators_pieces():
     return parity, torch, eager, core
 
 
-def speculators_loss(model, torch, core, loss_config, aux, ids, mask, hidden, anchors, valid, monkeypatch):
+def speculators_loss(model, torch, core, loss_config, aux, ids, mask, hidden, anchors, valid, monkeypatch, **kw):
+    """speculators' DFlash loss and metrics on one sequence with our anchors (`kw`: more of its
+    forward's keywords, e.g. per_position_loss_weight)."""
     n = len(anchors)
     monkeypatch.setattr(
         core, "select_anchors", lambda *a, **k: (torch.as_tensor(anchors), torch.as_tensor(valid, dtype=torch.bool))
@@ -52,6 +54,7 @@ def speculators_loss(model, torch, core, loss_config, aux, ids, mask, hidden, an
             document_ids=torch.zeros(1, len(ids), dtype=torch.long),
             max_anchors=n,
             loss_config=loss_config,
+            **kw,
         )
     return float(loss), {k: float(v) for k, v in metrics.items()}
 

@@ -1,0 +1,199 @@
+"""Memory plans from the devices' own compilers: the released heads' targets on H100 / TPU slices.
+
+Each case is one `python -m peagle_jax.plan` run (no device: the compile venv's deviceless GPU
+and TPU compilers, abstract weights, the target's real layer count) whose JSON lands in --out,
+one file per case; a case whose file exists is not run again, so an interrupted sweep resumes.
+`--publish` turns every case file there into bench/results/memory_plan.json, which
+`bench/render_results.py` renders into docs/benchmarks.md.
+
+    .venv-compile/bin/python bench/memory_plan.py [--only SUBSTRING] [--out DIR] [--publish]
+
+Train cases search the longest sequence (4k, 8k, 16k, ... tokens or from --tokens, one sequence per device,
+sequence partitioning auto as `python -m train` runs it) until the compiler refuses the step or
+its plan passes 90% of a device's memory; serve cases compile the P-EAGLE round (K = 7) and the
+plain decode step at the batch and cache length named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    target: str
+    device: str
+    job: str
+    flags: tuple[str, ...] = ()
+    tag: str = ""
+
+    @property
+    def name(self) -> str:
+        return "_".join(x for x in (self.target, self.device, self.job, self.tag) if x)
+
+    def command(self, out: Path) -> list[str]:
+        head = ["-m", "peagle_jax.plan", "--target", self.target, "--device", self.device, "--job", self.job]
+        return [*head, *self.flags, "--json", str(out)]
+
+
+def train(device: str, *flags: str) -> Case:
+    return Case("Llama-3.1-8B", device, "train", ("--modes", "parallel", "--search", *flags))
+
+
+def serve(target: str, device: str, batch: int, cache: int) -> Case:
+    flags = ("--modes", "parallel,none", "--batch", str(batch), "--cache-len", str(cache))
+    return Case(target, device, "serve", flags, f"batch{batch}_cache{cache // 1024}k")
+
+
+CASES = [
+    *(train(d) for d in ("h100", "h100x8", "v5e-8")),
+    # the TPU compiler takes ~15 min a full-size step on 2 cores: one point near the edge, no search
+    Case("Llama-3.1-8B", "v5p-8", "train", ("--modes", "parallel", "--tokens", "65536")),
+    *(serve("GPT-OSS-120B", d, b, c) for c in (8192, 32768) for b in (1, 16, 64) for d in ("h100x8", "v5p-8")),
+]
+
+
+def run_case(case: Case, out: Path, python: str) -> None:
+    """One plan run into `out`/<name>.json (written whole, after the run) and its log beside it."""
+    dest, log = out / f"{case.name}.json", out / f"{case.name}.log"
+    tmp = dest.with_suffix(".part")
+    t0 = time.perf_counter()
+    with log.open("w") as fh:
+        proc = subprocess.run([python, *case.command(tmp)], cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+    if not tmp.exists():
+        print(f"{case.name}: no result (exit {proc.returncode}); see {log}", flush=True)
+        return
+    result = json.loads(tmp.read_text()) | {"case": dataclasses.asdict(case), "wall_s": time.perf_counter() - t0}
+    dest.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.unlink()
+    print(f"{case.name}: {len(result['programs'])} programs, {result['wall_s']:.0f} s", flush=True)
+
+
+def gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GiB:.2f}"
+
+
+def rows_of(result: dict) -> list[list]:
+    """One table row per compiled (or refused) program of a case."""
+    dev = result["device"]
+    rows = []
+    for p in result["programs"]:
+        size = f"{p['tokens']:,} tokens" if result["job"] == "train" else f"batch {p['batch']}"
+        cache = "-" if result["job"] == "train" else f"{p['cache_len']:,}"
+        verdict = "fits" if p["fits"] else ("does not fit" if p["compiled"] else "refused")
+        rows.append([
+            f"{result['name']} x{result['layers']}", dev["name"], p["name"].split(" ")[0], size, cache,
+            gib(p["argument_bytes"]), gib(p["temp_bytes"]), gib(p["peak_bytes"]),
+            f"{dev['memory_bytes'] / GiB:.1f}", gib(p["headroom_bytes"]), verdict, f"{p['compile_seconds']:.0f}",
+        ])  # fmt: skip
+    return rows
+
+
+def longest(results: list[dict]) -> list[str]:
+    """A note per train case: the longest sequence whose step compiled and fit."""
+    notes = []
+    for r in results:
+        if r["job"] != "train":
+            continue
+        ok = [p["tokens"] for p in r["programs"] if p["fits"]]
+        best = f"{max(ok):,} tokens" if ok else "none of the sizes compiled"
+        if not r.get("largest"):  # one size compiled, no search past it
+            best = f"at least {best} (one size compiled, not searched)" if ok else best
+        where = f"{r['name']} x{r['layers']} on {r['device']['name']}"
+        notes.append(f"Longest training sequence (powers of two), {where}: {best}.")
+    return notes
+
+
+def first_sizes(result: dict) -> tuple[int, int]:
+    """(cache length, batch) of a case's first program: the serve rows' order."""
+    p = result["programs"][0]
+    return p.get("cache_len", 0), p["batch"]
+
+
+def publish(out: Path) -> Path:
+    results = [json.loads(p.read_text()) | {"name": p.stem.split("_")[0]} for p in sorted(out.glob("*.json"))]
+    results.sort(key=lambda r: (r["job"] != "train", r["name"], r["device"]["name"], first_sizes(r)))
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    import jax
+
+    data = {
+        "title": "Memory plans on H100 and TPU slices, from the devices' compilers",
+        "order": 75,
+        "setup": (
+            "XLA's plan of each program's buffers per device (arguments: weights, optimizer state, batch or KV "
+            "cache; temporaries; peak = arguments + temporaries + outputs not aliased to a donated argument), "
+            "from the GPU compiler (XLA + Triton + ptxas for sm_90) and the TPU compiler (XLA + Mosaic) run "
+            "without a device on abstract weights at the targets' full layer counts. Train: the default "
+            "P-EAGLE head (1 layer, K 8, draft vocabulary 16384, f32 master weights, bf16 compute, AdamW), one "
+            "sequence per device, sequence partitioning auto; weights and sequences sharded over fsdp (every "
+            "device). Serve: the P-EAGLE round at K = 7 and the plain decode step, bf16, heads split over "
+            "tensor within a host. 'fits' = peak within 90% of the device's memory."
+        ),
+        "command": [
+            "make compile-venv",
+            ".venv-compile/bin/python bench/memory_plan.py           # every case (resumable)",
+            ".venv-compile/bin/python bench/memory_plan.py --publish",
+        ],
+        "hardware": "compiled on 2 CPU cores (no accelerator); planned for the devices named in the table",
+        "jax": jax.__version__,
+        "commit": commit.stdout.strip(),
+        "date": datetime.date.today().isoformat(),
+        "design": "docs/device.md",
+        "columns": [
+            "target x layers",
+            "device",
+            "program",
+            "size",
+            "cache",
+            "args GiB",
+            "temp GiB",
+            "peak GiB",
+            "device GiB",
+            "headroom GiB",
+            "verdict",
+            "compile s",
+        ],  # fmt: skip
+        "rows": [row for r in results for row in rows_of(r)],
+        "notes": [
+            *longest(results),
+            "What only a device can tell: speed, the compiled kernels' numerics, and memory outside XLA's plan "
+            "(the runtime's reservations, fragmentation); see docs/device.md.",
+        ],
+    }
+    dest = ROOT / "bench" / "results" / "memory_plan.json"
+    dest.write_text(json.dumps(data, indent=1) + "\n")
+    return dest
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "memory_plan")
+    ap.add_argument("--only", default="", help="run the cases whose name contains this")
+    ap.add_argument("--publish", action="store_true", help="write bench/results/memory_plan.json from --out")
+    ap.add_argument("--list", action="store_true", help="print the cases' names and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        print("\n".join(c.name for c in CASES))
+        return 0
+    if args.publish:
+        print(f"wrote {publish(args.out)}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    for case in CASES:
+        if args.only in case.name and not (args.out / f"{case.name}.json").exists():
+            run_case(case, args.out, sys.executable)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

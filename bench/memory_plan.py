@@ -166,6 +166,8 @@ def publish(out: Path) -> Path:
         "rows": [row for r in results for row in rows_of(r)],
         "notes": [
             *longest(results),
+            "Not yet explained: on 8 H100s (fsdp, one sequence per GPU) the per-device temporaries at 65,536 tokens "
+            "(57.3 GiB) are 2.7x one H100's at the same length (21.5 GiB), and 2.2x a v5p-8 chip's (26.0 GiB).",
             "What only a device can tell: speed, the compiled kernels' numerics, and memory outside XLA's plan "
             "(the runtime's reservations, fragmentation); see docs/device.md.",
         ],

@@ -59,6 +59,7 @@ CASES = [
     *(train(d) for d in ("h100", "h100x8", "v5e-8")),
     # the TPU compiler takes ~15 min a full-size step on 2 cores: one point near the edge, no search
     Case("Llama-3.1-8B", "v5p-8", "train", ("--modes", "parallel", "--tokens", "65536")),
+    Case("Llama-3.1-8B", "v5p-8", "train", ("--modes", "parallel", "--tokens", "131072"), "131k"),
     *(serve("GPT-OSS-120B", d, b, c) for c in (8192, 32768) for b in (1, 16, 64) for d in ("h100x8", "v5p-8")),
 ]
 
@@ -101,15 +102,16 @@ def rows_of(result: dict) -> list[list]:
 
 def longest(results: list[dict]) -> list[str]:
     """A note per train case: the longest sequence whose step compiled and fit."""
-    notes = []
+    cases: dict[str, list[dict]] = {}
     for r in results:
-        if r["job"] != "train":
-            continue
-        ok = [p["tokens"] for p in r["programs"] if p["fits"]]
+        if r["job"] == "train":
+            cases.setdefault(f"{r['name']} x{r['layers']} on {r['device']['name']}", []).append(r)
+    notes = []
+    for where, rs in cases.items():
+        ok = [p["tokens"] for r in rs for p in r["programs"] if p["fits"]]
         best = f"{max(ok):,} tokens" if ok else "none of the sizes compiled"
-        if not r.get("largest"):  # one size compiled, no search past it
-            best = f"at least {best} (one size compiled, not searched)" if ok else best
-        where = f"{r['name']} x{r['layers']} on {r['device']['name']}"
+        if ok and not any(r.get("largest") for r in rs):  # single sizes compiled, no search past them
+            best = f"at least {best} (the sizes in the table compiled, no search past them)"
         notes.append(f"Longest training sequence (powers of two), {where}: {best}.")
     return notes
 

@@ -2,20 +2,19 @@
 (issue 42): one clear `error:` line naming the flag, file, key or argument, the exit status of
 the project's standard (2: a value judged before any work, before anything loads; 1: the work
 failed), nothing half-written left behind; the API raises ValueError / TypeError naming the
-argument. The command lines run as subprocesses on a tiny target and head folders built once."""
+argument. The command lines run their main in the test process (`in_process`) on a tiny target
+and head folders built once."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import hf_tiny
 import numpy as np
 import pytest
 from head_folders import hand_tensors, vllm_config, write_folder
-from limits import HANG_S
+from in_process import run_module
 from test_dflash_formats import H, V
 from test_dflash_formats import head as dflash_head
 
@@ -23,7 +22,6 @@ import peagle_jax as pj
 from peagle_jax.drafter import Drafter
 from peagle_jax.formats import export_vllm, inspect_folder
 
-ROOT = Path(__file__).resolve().parents[1]
 HUGE_SEED = "999999999999999999999"
 TARGET_LAYERS = 6  # the DFlash head reads layers (2, 5, 7): 7 is outside
 
@@ -50,12 +48,6 @@ def assets(tmp_path_factory):
     tensors["fc.weight"][0, 0] = np.inf
     write_folder(root / "inf_head", vllm_config(), tensors)
     return root, target, drafter
-
-
-def _run(*argv) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", *map(str, argv)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S
-    )
 
 
 # (case, argv with {root} / {out} placeholders, exit status, a word the error line holds, paths
@@ -121,7 +113,8 @@ CLI_CASES = [
 def test_bad_input_is_one_line_and_leaves_nothing(assets, tmp_path, argv, code, word, absent):
     root, _, _ = assets
     fill = {"root": root, "out": tmp_path}
-    proc = _run(*(a.format(**fill) for a in argv))
+    module, *args = (a.format(**fill) for a in argv)
+    proc = run_module(module, args)
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == code, proc.stderr
     assert len(errors) == 1, proc.stderr
@@ -140,7 +133,7 @@ def test_import_force_writes_with_one_warning_per_problem(assets, tmp_path):
     for src, target, word in ((root / "inf_head", None, "non-finite"), (root / "dflash", root / "t6", "outside")):
         out = tmp_path / src.name
         flags = [] if target is None else ["--target", target]
-        proc = _run("peagle_jax.convert", "import", src, out, *flags, "--force")
+        proc = run_module("peagle_jax.convert", ["import", src, out, *flags, "--force"])
         assert proc.returncode == 0, proc.stderr
         warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
         assert len(warnings) == 1 and word in warnings[0], proc.stderr
@@ -156,7 +149,7 @@ def test_inspect_lists_disagreeing_dflash_aux_ids_once(assets, tmp_path):
     raw = json.loads((folder / "config.json").read_text())
     raw["eagle_aux_hidden_state_layer_ids"] = [2, 5, 6]
     (folder / "config.json").write_text(json.dumps(raw))
-    proc = _run("peagle_jax.convert", "inspect", folder)
+    proc = run_module("peagle_jax.convert", ["inspect", folder])
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.count("is not 'dflash_config.target_layer_ids'") == 1, proc.stdout
     assert "problems (1):" in proc.stdout, proc.stdout

@@ -1,8 +1,9 @@
-"""Bad input to `python -m train` (issue 42), run as a user runs it (a subprocess): one `error:`
-line naming the file, key or flag, no traceback, exit 2 for what the flags alone decide (before
-any loading, so nothing is written), 1 for work that failed, 130 interrupted; a run stopped
-before its first checkpoint removes the OUT it made, and leaves an OUT that existed before as it
-was, saying which."""
+"""Bad input to `python -m train`: one `error:` line naming the file, key or flag, no traceback,
+exit 2 for what the flags alone decide (before any loading, so nothing is written), 1 for work
+that failed, 130 interrupted; a run stopped before its first checkpoint removes the OUT it made,
+and leaves an OUT that existed before as it was, saying which. The bad inputs run the command's
+main in the test process (`in_process`); the interrupts, which the process itself receives, run
+it as a user does (a subprocess)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from in_process import run_module
 from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,9 +38,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
     return {"TARGET": build_tiny_target(root / "target"), "BIN": root / "bin.jsonl", "FOLDER": folder}
 
 
+def train_flags(out: Path, flags: list[str]) -> list[str]:
+    return ["--preset", "tiny", "--out", str(out), "--loop.progress", "false", *flags]
+
+
 def train_cmd(out: Path, flags: list[str]) -> list[str]:
-    base = ["--preset", "tiny", "--out", str(out), "--loop.progress", "false"]
-    return [sys.executable, "-m", "train", *base, *flags]
+    return [sys.executable, "-m", "train", *train_flags(out, flags)]
 
 
 def assert_one_error_line(stderr: str, word: str) -> str:
@@ -73,7 +78,7 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, files, flags, code, 
         out.mkdir(parents=True)
         (out / "mine.txt").write_text("the user's file")
     flags = [str(files[f[1:]]) if f.startswith("@") else f for f in flags]
-    res = subprocess.run(train_cmd(out, flags), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)
+    res = run_module("train", train_flags(out, flags))
     assert res.returncode == code, res.stderr[-3000:]
     line = assert_one_error_line(res.stderr, word)
     if said:

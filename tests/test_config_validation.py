@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import hf_tiny
 import pytest
 from head_folders import V, hand_tensors, speculators_cfg, vllm_config, write_folder
-from limits import HANG_S
+from in_process import run_module
 
 import peagle_jax as pj
 from infer.__main__ import main
@@ -312,8 +310,7 @@ def test_infer_cli_bad_target_config_is_one_line_exit_1(raw_configs, tmp_path):
     path = tmp_path / "target" / "config.json"
     path.parent.mkdir()
     path.write_text(json.dumps(_edited(raw_configs["qwen3"], {"hidden_size": "1024"})))
-    cmd = [sys.executable, "-m", "infer", "generate", "--target", str(path.parent), "--mode", "none"]
-    proc = subprocess.run(cmd + ["--prompt-ids", "1,2"], capture_output=True, text=True, timeout=HANG_S)
+    proc = run_module("infer", ["generate", "--target", path.parent, "--mode", "none", "--prompt-ids", "1,2"])
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout == ""
     line = _one_error_line(proc.stderr)
@@ -323,8 +320,7 @@ def test_infer_cli_bad_target_config_is_one_line_exit_1(raw_configs, tmp_path):
 def test_infer_cli_corrupt_tokenizer_is_one_line_exit_1(built, tmp_path):
     folder = shutil.copytree(built(KINDS["llama"])[0], tmp_path / "target")
     (folder / "tokenizer.json").write_text('{"truncated": ')
-    cmd = [sys.executable, "-m", "infer", "generate", "--target", str(folder), "--mode", "none", "--prompt", "hi"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
+    proc = run_module("infer", ["generate", "--target", folder, "--mode", "none", "--prompt", "hi"])
     assert proc.returncode == 1, proc.stderr
     line = _one_error_line(proc.stderr)
     assert line.startswith(f"error: {folder / 'tokenizer.json'}: unreadable tokenizer file, invalid JSON ("), line

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import hf_tiny
 import pytest
-from limits import HANG_S
+from in_process import run_module
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
@@ -115,31 +113,16 @@ def test_bench_writes_all_numbers(assets, tmp_path, capsys):
 
 def test_errors_are_one_line_and_nonzero(assets, tmp_path):
     root, _ = assets
-    cmd = [
-        sys.executable,
-        "-m",
-        "infer",
-        "generate",
-        "--target",
-        str(tmp_path / "nope"),
-        "--drafter",
-        str(root / "drafter"),
-        "--prompt",
-        "w1",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_S)
+    proc = run_module(
+        "infer", ["generate", "--target", tmp_path / "nope", "--drafter", root / "drafter", "--prompt", "w1"]
+    )
     assert proc.returncode == 1  # the work failed: a folder it cannot use
     assert proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1
     assert "nope" in errors[0]
     assert proc.stderr.strip().splitlines()[-1] == errors[0]
-    no_drafter = subprocess.run(
-        [sys.executable, "-m", "infer", "generate", "--target", str(root / "target"), "--prompt", "w1"],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    no_drafter = run_module("infer", ["generate", "--target", root / "target", "--prompt", "w1"])
     assert no_drafter.returncode == 2
     assert "--drafter" in no_drafter.stderr
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from in_process import run_module
 from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,14 +101,7 @@ def test_train_interrupted_while_training_resumes(tmp_path, tiny_run, name="SIGI
     res = interrupt(cmd, SIGNALS[name], lambda _: metrics_lines(out) >= 3, tmp_path)
     assert_interrupted(res)
     checkpoints = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    again = subprocess.run(
-        train_command(out, steps=checkpoints[-1] + 2, target=tiny_run[0]),
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
+    again = run_module("train", train_command(out, steps=checkpoints[-1] + 2, target=tiny_run[0])[3:])
     assert again.returncode == 1  # loop.steps changed: refused, naming it
     assert "loop.steps" in again.stderr
     resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)

@@ -49,8 +49,8 @@ def test_bf16_compute_over_f32_master_weights():
     assert "bf16" in jaxpr
     assert "dot_general" in jaxpr
     assert "bf16" not in str(jax.make_jaxpr(lambda p: loss(p, parts))(params))
-    (l16, logits16), g16 = jax.value_and_grad(lambda p: loss(p, bf16), has_aux=True)(params)
-    (l32, _), g32 = jax.value_and_grad(lambda p: loss(p, parts), has_aux=True)(params)
+    (l16, logits16), g16 = jax.jit(jax.value_and_grad(lambda p: loss(p, bf16), has_aux=True))(params)
+    (l32, _), g32 = jax.jit(jax.value_and_grad(lambda p: loss(p, parts), has_aux=True))(params)
     assert logits16.dtype == jnp.float32  # the head's logits (and so the loss) are f32
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(g16))  # gradients of the f32 masters
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))

@@ -13,7 +13,6 @@ preset for a step or two on cheap flags (optimizer values, seeds, COD ratios, ti
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import math
 import shutil
@@ -25,6 +24,7 @@ from unittest import mock
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from in_process import run_module
 
 import train.__main__ as entry
 from train import config as C
@@ -104,14 +104,9 @@ def _resolve(argv: list[str], paths: dict[str, str]) -> list[str]:
 
 def _main(argv: list[str], stub=None) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of main(argv); the training replaced by `stub` when given."""
-    out, err = io.StringIO(), io.StringIO()
-    patch = mock.patch.object(entry, "train", stub) if stub else contextlib.nullcontext()
-    with patch, contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            rc = entry.main(argv)
-        except SystemExit as e:  # allowed, though main returns its status
-            rc = e.code if isinstance(e.code, int) else 1
-    return rc, out.getvalue(), err.getvalue()
+    with mock.patch.object(entry, "train", stub) if stub else contextlib.nullcontext():
+        res = run_module("train", argv)
+    return res.returncode, res.stdout, res.stderr
 
 
 def _names_its_flag(line: str, argv: list[str]) -> bool:

@@ -69,7 +69,7 @@ def _our_loss_and_grads(golden, attention="dense"):
             attention=attention,
         )
 
-    (loss, m), grads = jax.value_and_grad(f, has_aux=True)(params)
+    (loss, m), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)
     return drafter, float(loss), m, grads
 
 

@@ -41,16 +41,20 @@ DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json", ".jsonl.gz", ".json.gz
 # what the weights reader opens: one file, or an index and the shards transformers names model-0000i-of-0000n
 WEIGHTS = ("config.json", "model*.safetensors", "model.safetensors.index.json")
 LOGIN = "log in with `hf auth login` (`huggingface-cli login` before huggingface_hub 1.0) or set HF_TOKEN"
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+_REPO_ID = re.compile(r"^([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 
 
 class HubError(ValueError):
     """A Hub id that could not be resolved (the message names the id and what to do)."""
 
 
-def is_repo_id(name) -> bool:
-    """ "org/name" as the Hub spells repo ids (no "..", no "--"); a local path is not one."""
-    return isinstance(name, str) and bool(_REPO_ID.match(name)) and ".." not in name and "--" not in name
+def is_repo_id(name, bare: bool = False) -> bool:
+    """ "org/name" as the Hub spells repo ids (no "..", no "--"); a local path is not one. `bare`:
+    a name without an org counts too (the Hub's legacy ids, "gpt2"); this project downloads only
+    "org/name", so that a bare name stays a local folder or a bundled asset."""
+    if not isinstance(name, str) or not _REPO_ID.match(name) or ".." in name or "--" in name:
+        return False
+    return bare or "/" in name
 
 
 def patterns(kind: str) -> list[str]:

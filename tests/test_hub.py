@@ -175,7 +175,9 @@ def test_convert_by_hub_ids_names_the_verifier(warm, stand_in, tmp_path):
     assert r.returncode == 0, r.stderr
     r = run(["-m", "peagle_jax.convert", "inspect", HEAD, "--target", TARGET, "--json"], env)
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["problems"] == []
+    report = json.loads(r.stdout)
+    assert report["problems"] == []
+    assert report["serve"].startswith(f"vllm serve {TARGET} "), report["serve"]  # the id, not the cache's path
     r = run(
         ["-m", "peagle_jax.convert", "export", str(ours), str(spec), "--format", "speculators", "--target", TARGET], env
     )

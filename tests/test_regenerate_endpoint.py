@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import xla_env
+from in_process import run_module
 from limits import HANG_S
 from openai_loopback import Faults, LoopbackServer
 
@@ -211,9 +212,9 @@ def test_a_resume_may_change_how_answers_are_regenerated(tmp_path):
 
 # ---------------------------------------------------------------------------------------
 # the command line: one error line, OUT kept, the rerun resumes; an interrupt while requests wait
-def _command(folder, out, url, *extra) -> list[str]:
+def _flags(folder, out, url, *extra) -> list[str]:
     return [
-        sys.executable, "-m", "train", "--preset", "tiny", "--model.target", str(folder), "--out", str(out),
+        "--preset", "tiny", "--model.target", str(folder), "--out", str(out),
         "--data.max_conversations", "12", "--data.heldout", "2", "--data.regenerate", "true",
         "--data.regenerate_tokens", str(MAX_NEW), "--data.prepare_only", "true", "--loop.progress", "false",
         "--data.regenerate_endpoint", url, "--data.regenerate_concurrency", "2", *extra,
@@ -223,17 +224,14 @@ def _command(folder, out, url, *extra) -> list[str]:
 def test_the_command_line_reports_a_dead_server_in_one_line_and_resumes(folder, target, tmp_path):
     out = tmp_path / "run"
     with LoopbackServer(target, Faults(die_after=5)) as server:
-        cmd = _command(folder, out, server.url, "--data.regenerate_retries", "1")
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+        proc = run_module("train", _flags(folder, out, server.url, "--data.regenerate_retries", "1"))
     errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 1 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"regeneration through {server.url}: synthetic row" in errors[0], errors[0]
     assert "holds regenerated answers a rerun with the same --out reuses" in errors[0], errors[0]
     assert len((out / "regenerated.jsonl").read_text().splitlines()) == 5
     with LoopbackServer(target) as server:
-        proc = subprocess.run(
-            _command(folder, out, server.url), cwd=ROOT, capture_output=True, text=True, timeout=HANG_S
-        )
+        proc = run_module("train", _flags(folder, out, server.url))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert server.posts == 12 - 5
     assert json.loads((out / "summary.json").read_text())["prepared_only"] is True
@@ -246,7 +244,12 @@ def _count(path: Path) -> int:
 def test_an_interrupt_while_requests_wait_ends_the_run_and_keeps_the_cache(folder, target, tmp_path):
     out, cache = tmp_path / "run", tmp_path / "run" / "regenerated.jsonl"
     with LoopbackServer(target, Faults(hold=HANG_S, hold_after=3)) as server:
-        proc = subprocess.Popen(_command(folder, out, server.url), cwd=ROOT, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "train", *_flags(folder, out, server.url)],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         while proc.poll() is None and not (server.posts > 3 and _count(cache) == 3):  # 3 answers in, the rest held
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)

@@ -6,15 +6,13 @@ metrics (1e-5 relative, f32) in both modes and with per-depth normalisation; `py
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from limits import HANG_S
+from in_process import run_module
 
 from kernels.layouts import cod_sample, pad_layout
 from peagle_jax.cli import UsageError
@@ -176,23 +174,13 @@ def tiny_target(tmp_path_factory):
     return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
 
 
-def test_cli_segments_4_logs_the_losses_of_segments_1(tmp_path, tiny_target, capsys):
-    base = [sys.executable, "-m", "train", "--preset", "tiny", "--model.target", str(tiny_target)]
+def test_cli_segments_4_logs_the_losses_of_segments_1(tmp_path, tiny_target):
+    base = ["--preset", "tiny", "--model.target", str(tiny_target)]
     base += ["--loop.steps", "5", "--loop.checkpoint_every", "5", "--loop.progress", "False"]
     base += ["--eval.enabled", "False", "--data.heldout", "0"]
-    runs = {
-        s: subprocess.Popen(
-            [*base, "--out", str(tmp_path / f"s{s}"), "--loop.segments", str(s)],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for s in (1, 4)
-    }  # both at once: each is mostly one thread of compile and Python
-    logs = {s: p.communicate(timeout=HANG_S)[0] for s, p in runs.items()}
-    for s, p in runs.items():
-        assert p.returncode == 0, logs[s][-2000:]
+    runs = {s: run_module("train", [*base, "--out", tmp_path / f"s{s}", "--loop.segments", s]) for s in (1, 4)}
+    for res in runs.values():
+        assert res.returncode == 0, res.stderr[-2000:]
     recs = {
         s: [json.loads(x) for x in (tmp_path / f"s{s}" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
         for s in runs
@@ -202,10 +190,9 @@ def test_cli_segments_4_logs_the_losses_of_segments_1(tmp_path, tiny_target, cap
         assert abs(a["loss"] - b["loss"]) <= TOL * abs(b["loss"]), (a, b)
         assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * b["grad_norm"], (a, b)
         assert a["acc"] == b["acc"]
-    from train.__main__ import main  # in this process: a third interpreter would only start JAX again
-
-    assert main([*base[3:], "--out", str(tmp_path / "bad"), "--loop.segments", "0"]) != 0
-    assert "loop.segments must be an integer >= 1 or auto" in capsys.readouterr().err
+    bad = run_module("train", [*base, "--out", tmp_path / "bad", "--loop.segments", "0"])
+    assert bad.returncode != 0
+    assert "loop.segments must be an integer >= 1 or auto" in bad.stderr
 
 
 def test_the_flat_step_with_the_blockwise_kernels_equals_the_dense_mask():

@@ -39,7 +39,8 @@ from peagle_jax.formats.head_config_write import speculators_config, vllm_config
 from peagle_jax.formats.inspect_dflash import check_dflash, dflash_tensor_findings, serve_depth, settled_dflash
 from peagle_jax.formats.inspect_report import format_report
 from peagle_jax.formats.own import OWN_CONFIG_FILE, OWN_STATE_DIR, read_own
-from peagle_jax.formats.serving import is_hub_id, resolve_verifier, serve_command, target_facts, target_findings
+from peagle_jax.formats.serving import resolve_verifier, serve_command, target_facts, target_findings
+from peagle_jax.hub import is_repo_id, repo_id_of
 
 __all__ = ["inspect_folder", "format_report", "InspectError"]
 
@@ -164,15 +165,16 @@ def _report(
 
 def _serve(report: dict, facts: HeadFacts) -> str:
     """The vLLM command line for the folder: K from the recorded trained depth (else the
-    largest hint); the target checked against, else a hub-id verifier."""
+    largest hint); the target checked against (its Hub id when it is a snapshot of the cache),
+    else a hub-id verifier."""
     hints = [x for x in facts.k_hints.values() if _is_int(x)]
     k = facts.k_train if facts.k_train is not None else max(hints, default=None)
     if report["mode"] == "dflash":
         k = serve_depth(facts)
-    if report["target"] is not None:
-        target = report["target"]["path"]
+    if report["target"] is not None:  # a snapshot of the Hub cache is served by its id
+        target = repo_id_of(report["target"]["path"]) or report["target"]["path"]
     else:
-        target = facts.verifier if is_hub_id(facts.verifier) else "TARGET"
+        target = facts.verifier if is_repo_id(facts.verifier, bare=True) else "TARGET"
     return serve_command(report["path"], report["mode"], k, report["target_family"], target)
 
 
@@ -308,7 +310,7 @@ def _check_speculators(f: HeadFacts, fnd: _Findings) -> None:
             "no verifier.name_or_path: `vllm serve` of this folder alone cannot find the target (the serve "
             "command's --speculative-config form does not need it)"
         )
-    elif not is_hub_id(f.verifier):
+    elif not is_repo_id(f.verifier, bare=True):
         fnd.warn(
             f"verifier.name_or_path {f.verifier!r} is a local path: `vllm serve` of this folder alone wants a "
             "hub id (export --verifier ORG/NAME)"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +29,12 @@ __all__ = [
     "target_facts",
     "target_findings",
     "resolve_verifier",
-    "is_hub_id",
     "aux_capture",
 ]
 
 # The served depth when the head allows it: P-EAGLE's published GPT-OSS results peak at K=7
 # (EAGLE-3 at K=3), and the released heads are served at 5-7 (K_infer <= K_train).
 SERVE_K = 7
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 _TARGET_SIZES = (
     ("num_hidden_layers", "num_layers"),
     ("hidden_size", "hidden_size"),
@@ -74,11 +71,6 @@ def serve_command(model, mode: str, k_train=None, target_family: str | None = No
         spec["parallel_drafting"] = True
     cmd = f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
     return cmd if aux_capture(target_family) else cmd + " --model-impl transformers"
-
-
-def is_hub_id(name) -> bool:
-    """ "org/name" or "name" as the Hugging Face hub spells ids (a local path is not one)."""
-    return isinstance(name, str) and bool(_HUB_ID.match(name)) and ".." not in name
 
 
 def resolve_verifier(name, folder: str | os.PathLike) -> Path | None:

@@ -18,7 +18,6 @@ MAINS = {
     "train": "train.__main__",
     "infer": "infer.__main__",
     "peagle_jax.convert": "peagle_jax.formats.convert",
-    "infer.report": "infer.report",
 }
 
 

@@ -38,12 +38,16 @@ def tiny_run(tmp_path_factory):
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
 
-def train_command(out: Path, steps: int, target: Path | None = None) -> list[str]:
+def train_flags(out: Path, steps: int, target: Path | None = None) -> list[str]:
     flags = ["--preset", "tiny", "--out", str(out), "--loop.steps", str(steps), "--loop.checkpoint_every", "2"]
     flags += ["--eval.enabled", "false", "--loop.progress", "false"]
     if target is not None:
         flags += ["--model.target", str(target)]
-    return [sys.executable, "-m", "train", *flags]
+    return flags
+
+
+def train_command(out: Path, steps: int, target: Path | None = None) -> list[str]:
+    return [sys.executable, "-m", "train", *train_flags(out, steps, target)]
 
 
 def catches(pid: int, sig) -> bool:
@@ -101,7 +105,7 @@ def test_train_interrupted_while_training_resumes(tmp_path, tiny_run, name="SIGI
     res = interrupt(cmd, SIGNALS[name], lambda _: metrics_lines(out) >= 3, tmp_path)
     assert_interrupted(res)
     checkpoints = sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit())
-    again = run_module("train", train_command(out, steps=checkpoints[-1] + 2, target=tiny_run[0])[3:])
+    again = run_module("train", train_flags(out, steps=checkpoints[-1] + 2, target=tiny_run[0]))
     assert again.returncode == 1  # loop.steps changed: refused, naming it
     assert "loop.steps" in again.stderr
     resumed = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S)

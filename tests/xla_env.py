@@ -9,10 +9,11 @@ compilation:
   again (the tiny preset's training step by several CLI runs, the reference runs, and every
   program a change left alone since the last run) is read back instead. Every program is kept,
   however fast it compiled: a test that runs ops eagerly compiles one small program per op and
-  shape (hundreds in a gradient check), and reading them back is several times faster. JAX keys an entry by the
-  program's HLO, the compile options and the jax / jaxlib versions, so an edited program is
-  compiled afresh. A run after the first on a machine takes about a third of the first one's CPU
-  time; `JAX_COMPILATION_CACHE_DIR=$(mktemp -d) make test` measures a cold run.
+  shape (hundreds in a gradient check), and reading them back is several times faster (on
+  tests/test_drafter.py, warm: 47 s against 181 s when only programs over 0.2 s were kept). JAX
+  keys an entry by the program's HLO, the compile options and the jax / jaxlib versions, so an
+  edited program is compiled afresh. A run after the first on a machine takes about a third of the
+  first one's CPU time; `JAX_COMPILATION_CACHE_DIR=$(mktemp -d) make test` measures a cold run.
 Benchmarks and `python -m train` keep XLA's and JAX's defaults."""
 
 from __future__ import annotations

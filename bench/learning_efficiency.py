@@ -1,24 +1,26 @@
-"""Learning per token: our trainer against speculators' P-EAGLE recipe on the same data.
+"""Learning per token: our trainer against speculators' P-EAGLE (or DFlash) recipe on the same data.
 
     python bench/learning_efficiency.py --work DIR --budgets 25000 50000 100000 \
-        [--seeds 0] [--trainers ours speculators] [--variant NAME='--flag v ...'] \
-        [--base NAME] [--json FILE] [--publish [--publish-as NAME]]
+        [--head parallel|dflash] [--seeds 0] [--trainers ours speculators] \
+        [--variant NAME='--flag v ...'] [--base NAME] [--json FILE] [--publish [--publish-as NAME]]
 
 One target (Gemma-3-270M), one set of target-regenerated ShareGPT conversations (prepared
 under DIR/data by `python -m train --data.prepare_only --data.regenerate`, the settings below),
-one feature cache (the target's aux and final-norm states, computed once and read by both
-trainers), one sequence order, one draft vocabulary. For each token budget, trainer, variant
-and seed a head is trained from scratch on the first sequences of that order reaching the
-budget (one sequence per step, its schedule spanning exactly those steps):
-- ours: `train.trainer.Trainer` with `python -m train`'s defaults plus the variant's flags; a
-  variant with `--data.batch_size B` runs ceil(steps / B) steps over the same sequences, one
-  with `--bench.epochs N` makes N passes over the sequences of the first budget / N tokens;
+one feature cache per set of target layers (the target's aux and final-norm states, computed
+once and read by both trainers), one sequence order, one draft vocabulary. For each token
+budget, trainer, variant and seed a head is trained from scratch on the first sequences of that
+order reaching the budget (one sequence per step, its schedule spanning exactly those steps):
+- ours: `train.trainer.Trainer` with `python -m train`'s defaults (with `--head dflash`:
+  `--model.mode dflash`) plus the variant's flags; a variant with `--data.batch_size B` runs
+  ceil(steps / B) steps over the same sequences, one with `--bench.epochs N` makes N passes over
+  the sequences of the first budget / N tokens;
 - speculators: `bench.speculators_recipe.train_speculators` (their model class, optimizer,
-  schedule, COD sampling and loss as their training CLI builds them), imported by our
-  converter.
+  schedule, COD sampling or anchor choice, and loss as their training CLI builds them for
+  `--speculator-type peagle|dflash`), imported by our converter.
 Every head is scored by one evaluator, `train.evaluate.HeldoutSet`: simulated acceptance at
-K = 7 over the held-out sequences, with its standard error. Each run's result is kept in
-DIR/runs/NAME/result.json, so a rerun continues where it stopped.
+K = 7 over the held-out sequences, with its standard error (DFlash heads of every block size
+on the same anchors: those leaving room for a block of DFLASH_ROOM). Each run's result is kept
+in DIR/runs/NAME/result.json, so a rerun continues where it stopped.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ sys.path.insert(0, str(ROOT))
 DATA_FLAGS = ["--data.max_conversations", "320", "--data.heldout", "60", "--data.regenerate", "True"]
 DATA_COMMAND = "python -m train --out DIR/data --data.prepare_only True " + " ".join(DATA_FLAGS)
 EVAL_K = 7
+DFLASH_ROOM = 16  # DFlash anchors scored: those a block of 16 (the largest tried) fits after
+HEAD_FLAGS = {"parallel": [], "dflash": ["--model.mode", "dflash"]}
 
 
 def base_config(target_path: Path, extra: list[str], steps: int):
@@ -48,36 +52,57 @@ def base_config(target_path: Path, extra: list[str], steps: int):
     return parse_args([*flags, "--loop.progress", "False", "--eval.enabled", "False", *extra])
 
 
-class Bench:
-    """The shared pieces: target, data, feature cache, sequence order, held-out evaluator."""
+class AuxFeatures:
+    """What a `FeatureCache` needs of a stepper: the target's states at `aux_ids` (`train.step.features`)."""
 
-    def __init__(self, work: Path):
+    def __init__(self, target, aux_ids):
+        import jax
+
+        from train.step import features
+
+        self.aux_ids = tuple(int(i) for i in aux_ids)
+        self.features = jax.jit(lambda t, p: features(target.graphdef, target.state, t, p, self.aux_ids))
+
+
+class Bench:
+    """The shared pieces: target, data, feature caches, sequence order, held-out evaluators."""
+
+    def __init__(self, work: Path, head: str = "parallel"):
         import peagle_jax as pj
         from peagle_jax.assets import prepare
         from train import data as D
-        from train.features import FeatureCache
         from train.loop import load_data
         from train.trainer import Trainer
 
-        self.work = work
+        self.work, self.head = work, head
         self.tpath = Path(prepare("gemma3-270m"))
         self.target = pj.load_target(self.tpath, dtype="float32")
-        cfg = base_config(self.tpath, [], 1)
-        self.data = load_data(cfg, self.target.tokenizer, work / "data", self.target)
+        self.cfg = base_config(self.tpath, HEAD_FLAGS[head], 1)
+        self.data = load_data(self.cfg, self.target.tokenizer, work / "data", self.target)
         self.counts = D.token_counts(self.data.train, self.target.config.vocab_size)
-        probe = Trainer(cfg, self.target, 1, token_counts=self.counts)  # the stepper computes features
-        self.cache = FeatureCache(work / "features", probe.stepper, self.tpath, cfg)
+        probe = Trainer(self.cfg, self.target, 1, token_counts=self.counts)
         self.draft_ids = np.flatnonzero(probe.drafter.t2d)
-        self.max_len = cfg.data.max_len
-        self.seed = cfg.data.seed
-        self.heldout = None
+        self.max_len = self.cfg.data.max_len
+        self.seed = self.cfg.data.seed
+        self.caches, self.heldout = {}, {}
 
-    def features(self, example):
+    def cache(self, aux_ids):
+        """The feature cache of the target states at `aux_ids` (DIR/features-A-B-C)."""
+        from train.features import FeatureCache
+
+        ids = tuple(int(i) for i in aux_ids)
+        if ids not in self.caches:
+            folder = self.work / ("features-" + "-".join(map(str, ids)))
+            self.caches[ids] = FeatureCache(folder, AuxFeatures(self.target, ids), self.tpath, self.cfg)
+        return self.caches[ids]
+
+    def features(self, example, aux_ids):
         n = len(example.ids)
         tokens = np.zeros((1, self.max_len), np.int32)
         positions = np.full((1, self.max_len), -1, np.int32)
         tokens[0, :n], positions[0, :n] = example.ids, np.arange(n)
-        aux, y = self.cache.get([example], types.SimpleNamespace(tokens=tokens, positions=positions))
+        batch = types.SimpleNamespace(tokens=tokens, positions=positions)
+        aux, y = self.cache(aux_ids).get([example], batch)
         return np.asarray(aux[0]), np.asarray(y[0])
 
     def order(self, budget: int) -> list[int]:
@@ -92,12 +117,26 @@ class Bench:
             tokens += len(e.ids)
         return order
 
-    def evaluator(self):
+    def evaluator(self, head):
+        """The held-out set that scores `head` (a Drafter): one per context layers and block size."""
         from train.evaluate import HeldoutSet
 
-        if self.heldout is None:
-            self.heldout = HeldoutSet(self.target, self.data.heldout, self.features, k=EVAL_K, max_len=self.max_len)
-        return self.heldout
+        c = head.config
+        block = c.block_size if c.mode == "dflash" else None
+        key = (tuple(c.aux_layer_ids), block)
+        if key not in self.heldout:
+            features = lambda e: self.features(e, key[0])  # noqa: E731
+            room = DFLASH_ROOM if block else None
+            self.heldout[key] = HeldoutSet(
+                self.target, self.data.heldout, features, k=EVAL_K, max_len=self.max_len, block_size=block, room=room
+            )
+        return self.heldout[key]
+
+    def max_anchors(self) -> int:
+        """A bound on the DFlash anchor positions of every training sequence (its supervised
+        tokens): speculators pads its anchors to max_anchors (512) and takes them all when a
+        sequence has fewer, so this cap changes nothing but the padding it computes."""
+        return max(int(np.count_nonzero(e.mask)) for e in self.data.train)
 
 
 def bench_epochs(flags: list[str]) -> tuple[list[str], int]:
@@ -125,13 +164,14 @@ def train_ours(bench: Bench, order: list[int], flags: list[str], seed: int, out:
             unique.append(i)
             seen += len(train[i].ids)
         train = [train[i] for i in sorted(unique)]  # the trainer draws its order over these
-    cfg = base_config(bench.tpath, [*flags, "--model.seed", str(seed)], 1)
-    batch = cfg.data.batch_size
+    flags = [*HEAD_FLAGS[bench.head], *flags, "--model.seed", str(seed)]
+    batch = base_config(bench.tpath, flags, 1).data.batch_size
     steps = -(-len(order) // batch) if epochs == 1 else -(-epochs * len(train) // batch)
-    cfg = base_config(bench.tpath, [*flags, "--model.seed", str(seed)], steps)
+    cfg = base_config(bench.tpath, flags, steps)
     trainer = Trainer(cfg, bench.target, steps, token_counts=bench.counts)
+    cache = bench.cache(trainer.stepper.aux_ids)
     t0 = time.perf_counter()
-    trainer.fit(train, features=bench.cache)
+    trainer.fit(train, features=cache)
     wall = time.perf_counter() - t0
     head = trainer.head()
     head.save(out / "head")
@@ -139,24 +179,40 @@ def train_ours(bench: Bench, order: list[int], flags: list[str], seed: int, out:
 
 
 def train_theirs(bench: Bench, order: list[int], overrides: dict, seed: int, out: Path):
+    from speculators.models.utils import resolve_target_layer_ids
+
     import peagle_jax as pj
-    from bench.speculators_recipe import train_speculators
+    from bench.speculators_recipe import resolve_config, train_speculators
 
     examples = [(e.ids, e.mask) for e in bench.data.train]
+    kind = "dflash" if bench.head == "dflash" else "peagle"
+    if kind == "dflash":  # equal to their 512 on these sequences, without the padded anchors' cost
+        overrides = {"max_anchors": bench.max_anchors(), **overrides}
+    given = resolve_config(bench.tpath, kind=kind, overrides=overrides).flatten()["target_layer_ids"]
+    aux_ids = resolve_target_layer_ids(given, str(bench.tpath))  # theirs: [2, L // 2, L - 3] unless given
 
     def features(i):
-        aux, y = bench.features(bench.data.train[i])
+        aux, y = bench.features(bench.data.train[i], aux_ids)
         n = len(bench.data.train[i].ids)
         return aux[:n], y[:n]
 
     res = train_speculators(
-        bench.tpath, examples, features, order, bench.draft_ids, out / "speculators", seed=seed, overrides=overrides
+        bench.tpath,
+        examples,
+        features,
+        order,
+        bench.draft_ids,
+        out / "speculators",
+        kind=kind,
+        seed=seed,
+        overrides=overrides,
+        aux_layer_ids=aux_ids,
     )
-    return pj.load_drafter(out / "speculators"), res["wall_s"]
+    return pj.load_drafter(out / "speculators", target=bench.target), res["wall_s"]
 
 
 def run_one(bench: Bench, trainer: str, variant: str, spec, budget: int, seed: int, base: str | None, command: str):
-    name = f"{trainer}-{variant}-{budget}-s{seed}"
+    name = f"{'dflash-' if bench.head == 'dflash' else ''}{trainer}-{variant}-{budget}-s{seed}"
     out = bench.work / "runs" / name
     done = out / "result.json"
     if done.exists():
@@ -168,8 +224,9 @@ def run_one(bench: Bench, trainer: str, variant: str, spec, budget: int, seed: i
         head, wall = train_ours(bench, order, spec, seed, out)
     else:
         head, wall = train_theirs(bench, order, spec, seed, out)
-    score = bench.evaluator().acceptance(head)
-    res = {"name": name, "trainer": trainer, "variant": variant, "budget": budget, "seed": seed, "base": base}
+    score = bench.evaluator(head).acceptance(head)
+    res = {"name": name, "head": bench.head, "trainer": trainer, "variant": variant, "budget": budget, "seed": seed}
+    res["base"] = base
     res["command"] = command  # the call that made it, with --work DIR
     res |= {"steps": len(order), "tokens": tokens, "train_s": wall, "heldout": score}
     out.mkdir(parents=True, exist_ok=True)
@@ -241,7 +298,32 @@ def lever_rows(results: list[dict]) -> list[list]:
     return rows
 
 
-def publish(results: list[dict], command: str, levers_as: str = "learning_levers") -> None:
+DATA_SETUP = (
+    "Gemma-3-270M; 320 ShareGPT conversations with the target's own greedy answers (`--data.regenerate`, "
+    "128 tokens), 256-token sequences: 192 for training (38.5k tokens), 60 held out. Both trainers read the "
+    "same cached target features, in the same sequence order, one sequence per step, with the same 16384-token "
+    "draft vocabulary."
+)
+SETUP = {
+    "parallel": DATA_SETUP
+    + " Held-out acceptance: `train.evaluate.HeldoutSet`, simulated greedy acceptance at K = 7 from every supervised "
+    "anchor whose 7 drafts are all supervised, ± its standard error over sequences.",
+    "dflash": DATA_SETUP
+    + " DFlash heads: ours are `python -m train --model.mode dflash` (1 layer reading target layer 10, block 8, KL, "
+    "exp-decay slot weights, Muon) plus the row's flags; speculators' is their `--speculator-type dflash` default "
+    "(5 layers reading target layers 2, 9, 15, block 16, cross-entropy, D-PACE, Muon at 1e-3), its max_anchors "
+    "capped at the most supervised tokens of a sequence (which takes every anchor, as their 512 does). Held-out "
+    "acceptance: `train.evaluate.HeldoutSet`, simulated greedy acceptance of one block's first 7 drafts, from "
+    "every anchor whose next 7 tokens are supervised and after which a block of 16 fits, ± its standard error "
+    "over sequences.",
+}
+LEVER_TITLES = {
+    "learning_levers": ("Learning levers at equal tokens", 86),
+    "dflash_learning": ("DFlash: learning per token, ours against speculators' recipe, and the levers", 88),
+}
+
+
+def publish(results: list[dict], command: str, levers_as: str = "learning_levers", head: str = "parallel") -> None:
     """bench/results/learning_efficiency.json (when DIR holds both trainers' runs) and
     bench/results/LEVERS_AS.json (`bench/render_results.py`); the commands: the data's, the runs'
     (as they recorded them), then this one."""
@@ -260,13 +342,7 @@ def publish(results: list[dict], command: str, levers_as: str = "learning_levers
         "date": datetime.date.today().isoformat(),
         "design": "docs/design/learning-efficiency.md",
     }
-    setup = (
-        "Gemma-3-270M; 320 ShareGPT conversations with the target's own greedy answers (`--data.regenerate`, "
-        "128 tokens), 256-token sequences: 192 for training (38.5k tokens), 60 held out. Both trainers read the "
-        "same cached target features, in the same sequence order, one sequence per step, with the same 16384-token "
-        "draft vocabulary. Held-out acceptance: `train.evaluate.HeldoutSet`, simulated greedy acceptance at K = 7 "
-        "from every supervised anchor whose 7 drafts are all supervised, ± its standard error over sequences."
-    )
+    setup = SETUP[head]
     comparison = {
         "title": "Learning per token: ours against speculators' P-EAGLE recipe",
         "order": 85,
@@ -286,8 +362,7 @@ def publish(results: list[dict], command: str, levers_as: str = "learning_levers
         "rows": comparison_rows(results, ours=("adamw", "default")),
         "notes": [],
     }
-    titles = {"learning_levers": ("Learning levers at equal tokens", 86)}
-    title, order = titles.get(levers_as, ("Learning levers on the default recipe (Muon, lr 2e-3)", 87))
+    title, order = LEVER_TITLES.get(levers_as, ("Learning levers on the default recipe (Muon, lr 2e-3)", 87))
     levers = {
         "title": title,
         "order": order,
@@ -320,6 +395,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--budgets", type=int, nargs="+", help="token budgets (default 25000 50000 100000; none with --publish)"
     )
+    p.add_argument("--head", choices=sorted(HEAD_FLAGS), default="parallel", help="P-EAGLE (parallel) or DFlash heads")
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--trainers", nargs="+", default=["ours", "speculators"], choices=["ours", "speculators"])
     p.add_argument("--variant", action="append", default=[], help="NAME='--flag v' (ours) or speculators:NAME=JSON")
@@ -334,7 +410,7 @@ def main(argv=None) -> int:
         ["python", "bench/learning_efficiency.py", *(("DIR" if a == str(args.work) else a) for a in given)]
     )
     budgets = args.budgets or ([] if args.publish else [25000, 50000, 100000])
-    bench = Bench(args.work) if budgets else None
+    bench = Bench(args.work, args.head) if budgets else None
     results = []
     for budget in budgets:
         for trainer, variant, spec in runs:
@@ -344,7 +420,7 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({"results": results}, indent=1))
     if args.publish:
         every = [json.loads(f.read_text()) for f in sorted((args.work / "runs").glob("*/result.json"))]
-        publish(every, command, args.publish_as)
+        publish([r for r in every if r.get("head", "parallel") == args.head], command, args.publish_as, args.head)
     return 0
 
 

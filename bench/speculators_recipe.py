@@ -1,13 +1,16 @@
-"""speculators 0.9.0's P-EAGLE training recipe as a library function: the reference side of the
-learning-efficiency benchmark, trained in PyTorch on this CPU from the same target features
-(`features(i)`) as our trainer, one sequence per optimizer step in the order the benchmark gives.
+"""speculators 0.9.0's P-EAGLE and DFlash training recipes as a library function: the reference
+side of the learning-efficiency benchmark, trained in PyTorch on this CPU from the same target
+features (`features(i)`) as our trainer, one sequence per optimizer step in the order the benchmark
+gives.
 
-The recipe is what `speculators train --speculator-type peagle` builds by default, built by
-speculators' own code: `TrainConfig` (schema defaults + derived defaults) -> `build_draft_model`
-(`create_transformer_layer_config`, `resolve_mask_token_id`, `PEagleDraftModel.from_training_args`)
--> `TrainerConfig` as `cli.main` fills it -> `build_optimizers` + linear warmup schedule as
-`Trainer.setup_optimizer` makes them -> their per-step body (`Trainer.train_epoch`). Data: the
-raw per-position arrays go through their `BaseDataset.__getitem__`, `shift_batch` and `CollateFn`.
+The recipe is what `speculators train --speculator-type peagle|dflash` builds by default, built by
+speculators' own code: `TrainConfig` (schema defaults + derived defaults: for dflash 5 layers,
+block 16, cross-entropy, D-PACE) -> `build_draft_model` (`create_transformer_layer_config`,
+`resolve_mask_token_id`, the model class's `from_training_args`) -> `TrainerConfig` as `cli.main`
+fills it -> `build_optimizers` + linear warmup schedule as `Trainer.setup_optimizer` makes them ->
+their per-step body (`Trainer.train_epoch`). Data: the raw per-position arrays go through their
+`BaseDataset.__getitem__`, the preprocess `cli.main` picks (`shift_batch` for peagle, none for
+dflash) and `CollateFn`.
 CPU substitutions, each an option speculators itself offers: `draft_attn_impl` "sdpa" (flex
 attention has no backward on CPU), `loss_implementation` "eager" (the "fused" loss is Triton), and
 autocast on device "cpu". Two departures, both explained where they are made: the teacher's
@@ -50,22 +53,28 @@ CPU_FIELDS = {"draft_attn_impl": "sdpa", "loss_implementation": "eager"}
 MODEL_ONLY = ("embed_requires_grad",)
 
 
-def resolve_config(target_folder, *, k=8, seed=0, steps=None, overrides=None, aux_layer_ids=None):
-    """Their `TrainConfig` for a peagle run on `target_folder` (their validators and derived
-    defaults run), with the CPU fields, `k` as num_depths, then `overrides` (flat field names)."""
+KINDS = ("peagle", "dflash")  # speculator types this module trains
+
+
+def resolve_config(target_folder, *, kind="peagle", k=8, seed=0, steps=None, overrides=None, aux_layer_ids=None):
+    """Their `TrainConfig` for a `kind` run on `target_folder` (their validators and derived
+    defaults run), with the CPU fields, `k` as num_depths (peagle), then `overrides` (flat field
+    names)."""
     from speculators.train.config.schema import CONFIG_DESTS, TrainConfig
 
     overrides = dict(overrides or {})
     unknown = sorted(set(overrides) - set(CONFIG_DESTS) - set(MODEL_ONLY))
     if unknown:
         raise ValueError(f"unknown speculators recipe fields {unknown} (flat TrainConfig names)")
+    if kind not in KINDS:
+        raise ValueError(f"speculator type {kind!r}: one of {KINDS}")
     flat = {
-        "speculator_type": "peagle",
+        "speculator_type": kind,
         "verifier_name_or_path": str(Path(target_folder).absolute()),
         "seed": seed,
-        "num_depths": k,
         "max_steps": steps,
         **CPU_FIELDS,
+        **({"num_depths": k} if kind == "peagle" else {}),
     }
     if aux_layer_ids is not None:  # the ids the features were taken at (recorded in the head's config)
         flat["target_layer_ids"] = [int(i) for i in aux_layer_ids]
@@ -99,18 +108,29 @@ def _apply_model_overrides(model, overrides: dict) -> None:
     model.load_verifier_weights()
 
 
-def build_reference(target_folder, draft_ids, *, k=8, seed=0, steps=None, overrides=None, aux_layer_ids=None):
-    """(PEagleDraftModel, flat args Namespace, TrainConfig) built as their `cli.main` builds them."""
-    from speculators.models.peagle import PEagleDraftModel
+def model_class(kind: str):
+    """Their model class of a speculator type (`cli.main`: `SpeculatorModel.registry`)."""
+    import speculators.models  # noqa: F401  (registers every model class)
+    from speculators.model import SpeculatorModel
+
+    return SpeculatorModel.registry[kind]
+
+
+def build_reference(
+    target_folder, draft_ids, *, kind="peagle", k=8, seed=0, steps=None, overrides=None, aux_layer_ids=None
+):
+    """(their draft model, flat args Namespace, TrainConfig) built as their `cli.main` builds them."""
     from speculators.train.cli import build_draft_model, set_seed
     from speculators.train.vocab_mapping import get_target_vocab_size
 
-    cfg = resolve_config(target_folder, k=k, seed=seed, steps=steps, overrides=overrides, aux_layer_ids=aux_layer_ids)
+    cfg = resolve_config(
+        target_folder, kind=kind, k=k, seed=seed, steps=steps, overrides=overrides, aux_layer_ids=aux_layer_ids
+    )
     args = argparse.Namespace(**cfg.flatten())  # cli.main's "phase-1 adapter"
     set_seed(args.seed, args.deterministic_cuda)  # before the model is built, as cli.main does
     vocab = get_target_vocab_size(None, args.verifier_name_or_path, args.trust_remote_code)
     d2t, t2d, vd = vocab_maps(draft_ids, vocab)
-    model = build_draft_model(args, PEagleDraftModel, t2d, d2t, vd)
+    model = build_draft_model(args, model_class(kind), t2d, d2t, vd)
     _apply_model_overrides(model, dict(overrides or {}))
     # Trap 1: their teacher is verifier_lm_head(verifier_norm(verifier_last_hidden_states))
     # (peagle/core.py forward) because vLLM hands them the last layer's PRE-norm state, and
@@ -118,7 +138,8 @@ def build_reference(target_folder, draft_ids, *, k=8, seed=0, steps=None, overri
     # Gemma's (1 + w) final norm would scale every channel wrongly (speculators resolves the Gemma
     # norm class for dflash only: models/utils.py resolve_verifier_norm_class). `features` gives
     # the state AFTER our final norm, so the teacher is verifier_lm_head(y): any norm here would
-    # be applied twice. tests/test_speculators_recipe.py checks it gives the target's logits.
+    # be applied twice (for dflash too: its Gemma norm is right on pre-norm states only).
+    # tests/test_speculators_recipe.py checks it gives the target's logits.
     model.verifier_norm = torch.nn.Identity()
     _check_heads(model, Path(target_folder), draft_ids, args.trust_remote_code)
     return model, args, cfg
@@ -184,17 +205,20 @@ def _dataset(examples, features, max_len: int, dtype):
 
 
 def _batch(item: dict, args, model, dtype) -> dict:
-    """One step's batch through their `shift_batch` (eagle3/data.py: input_ids[1:],
-    hidden_states[:-1], verifier_last_hidden_states[1:], loss_mask[1:]) and `CollateFn` (casts
-    the *hidden_states* keys to hidden_states_dtype, builds document_ids). Not padded to
-    total_seq_len: padded rows have document -1, which no real row attends, and are out of the
-    loss; the COD sampler draws the same rows (it reads only the loss mask's valid positions)."""
+    """One step's batch through the preprocess their `cli.main` picks (peagle: `shift_batch`,
+    eagle3/data.py: input_ids[1:], hidden_states[:-1], verifier_last_hidden_states[1:],
+    loss_mask[1:]; dflash: none) and `CollateFn` (casts the *hidden_states* keys to
+    hidden_states_dtype, builds document_ids). Not padded to total_seq_len: padded rows have
+    document -1, which no real row attends, and are out of the loss; the COD sampler and DFlash's
+    anchor choice draw the same rows (they read only the loss mask's valid positions)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
 
-    length = max(1, min(len(item["input_ids"]) - 1, args.total_seq_len))
+    shift = args.speculator_type == "peagle"
+    length = max(1, min(len(item["input_ids"]) - shift, args.total_seq_len))
     hidden = model.config.transformer_layer_config.hidden_size
-    collate = CollateFn(length, hidden, len(model.target_layer_ids), dtype, preprocess=shift_batch)
+    preprocess = shift_batch if shift else None
+    collate = CollateFn(length, hidden, len(model.target_layer_ids), dtype, preprocess=preprocess)
     return collate([item])
 
 
@@ -246,10 +270,8 @@ def _train_step(model, batch, tc, optimizers, schedulers) -> dict:
         opt.step()
     for sched in schedulers:
         sched.step()
-    k = tc.train_call_kwargs["num_depths"]
-    acc = [
-        float(metrics[f"position_{d}_acc_sum"]) / max(float(metrics[f"position_{d}_acc_total"]), 1.0) for d in range(k)
-    ]
+    slots = sorted(int(key.split("_")[1]) for key in metrics if key.startswith("position_") and key.endswith("_sum"))
+    acc = [float(metrics[f"position_{d}_acc_sum"]) / max(float(metrics[f"position_{d}_acc_total"]), 1.0) for d in slots]
     return {"loss": float(loss.detach()), "grad_norm": float(grad_norm), "lr": lrs, "acc": acc}
 
 
@@ -310,6 +332,7 @@ def train_speculators(
     draft_ids: np.ndarray,
     out: Path,
     *,
+    kind: str = "peagle",
     k: int = 8,
     seed: int = 0,
     steps: int | None = None,
@@ -317,21 +340,28 @@ def train_speculators(
     aux_layer_ids: Sequence[int] | None = None,
     save_dtype: torch.dtype = torch.bfloat16,
 ) -> dict:
-    """Train speculators' P-EAGLE head `steps` (default len(order)) steps, step s on example
-    order[s % len(order)], and save it to `out` (bf16, as their checkpointer). Returns {"losses",
-    "wall_s" (the steps: collate, forward, backward, optimizer; not `features`, not the build),
-    "step_s", "features_s", "acc" (per depth, per step), "grad_norms", "lrs", "config"}.
-    `aux_layer_ids`: the target layers of the aux states (their default [2, L//2, L-3])."""
+    """Train speculators' `kind` head (peagle or dflash) `steps` (default len(order)) steps, step s
+    on example order[s % len(order)], and save it to `out` (bf16, as their checkpointer). Returns
+    {"losses", "wall_s" (the steps: collate, forward, backward, optimizer; not `features`, not the
+    build), "step_s", "features_s", "acc" (per depth or block slot, per step), "grad_norms",
+    "lrs", "config"}. `aux_layer_ids`: the target layers of the aux states (their default
+    [2, L//2, L-3], for dflash too)."""
     from speculators.model import SpeculatorModel
-    from speculators.models.peagle import PEagleDraftModel
 
     steps = len(order) if steps is None else int(steps)
     model, args, _ = build_reference(
-        target_folder, draft_ids, k=k, seed=seed, steps=steps, overrides=overrides, aux_layer_ids=aux_layer_ids
+        target_folder,
+        draft_ids,
+        kind=kind,
+        k=k,
+        seed=seed,
+        steps=steps,
+        overrides=overrides,
+        aux_layer_ids=aux_layer_ids,
     )
     SpeculatorModel.verify_training_compatible(model)  # Trainer.setup_model
     dtype = getattr(torch, args.hidden_states_dtype)
-    train_kwargs, _ = PEagleDraftModel.get_trainer_kwargs(**vars(args))
+    train_kwargs, _ = model_class(kind).get_trainer_kwargs(**vars(args))
     tc = trainer_config(args, dtype, train_kwargs)
     optimizers, schedulers, schedule = _optimizers(model, tc, len(order))
     data = _dataset(examples, features, args.total_seq_len, dtype)

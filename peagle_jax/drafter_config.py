@@ -177,6 +177,14 @@ class DrafterConfig:
         return "sliding_attention" in self.layer_types
 
     @property
+    def context_window(self) -> int | None:
+        """DFlash: the context rows before its anchor a block can see when every layer slides (the
+        window; the engine's context cache is then a ring of about that size); else None."""
+        if self.mode == "dflash" and set(self.layer_types) == {"sliding_attention"}:
+            return self.sliding_window
+        return None
+
+    @property
     def attn_scale(self) -> float:
         return float(self.head_dim) ** -0.5
 

@@ -191,9 +191,9 @@ def block_logits(target_state, head_state, tokens, lengths, *, target_def, head_
     return block.logits
 
 
-def reference_logits(target, head, seqs: list[list[int]], k: int) -> np.ndarray:
-    """[R, k, Vd] logits of the k draft slots of `block_logits`."""
-    tokens = np.zeros((len(seqs), PAD), np.int32)
+def reference_logits(target, head, seqs: list[list[int]], k: int, pad: int = PAD) -> np.ndarray:
+    """[R, k, Vd] logits of the k draft slots of `block_logits` (sequences right-padded to `pad`)."""
+    tokens = np.zeros((len(seqs), pad), np.int32)
     for i, seq in enumerate(seqs):
         tokens[i, : len(seq)] = seq
     logits = block_logits(

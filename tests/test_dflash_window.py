@@ -255,6 +255,34 @@ def test_the_cached_round_with_a_window_equals_the_block(qwen3, head):
     assert np.abs(reference_logits(target, full, seqs, k) - want).max() > 1e-3  # the window mattered
 
 
+@pytest.mark.parametrize("non_causal", [False, True])
+def test_an_all_sliding_head_keeps_a_ring_that_reads_as_the_whole_context(qwen3, non_causal):
+    """Every layer slides: the drafter's context cache is a ring of 64 slots (`drafter_length`:
+    the window and a round, rounded up) beside the target's 128, the sequences run past it, and
+    each round's block over the ring gives the no-cache block's logits over the whole sequence
+    (stale rows of rejected drafts included); greedy decoding stays lossless."""
+    hf, target = qwen3
+    kw = dict(sliding_window=WINDOW, layer_types=(S, S), sliding_window_non_causal=non_causal)
+    d = pj.new_drafter(target, num_layers=2, mode="dflash", block_size=BLOCK, seed=5, **kw)
+    k = BLOCK - 1
+    dec = SpeculativeDecoder(target, d, k=k, eos_ids=())
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, hf_tiny.VOCAB, size=int(n)).tolist() for n in (66, 71, 80)]
+    cfg, ids, state = dec.start(prompts, max_new_tokens=40)  # every prompt is longer than the ring
+    assert state.drafter_cache[0][0].shape[1] == 64 < state.target_cache[0][0].shape[1]
+    for step in range(4):
+        out, out_len = jax.device_get((state.out, state.out_len))
+        seqs = [prompt + out[row, : out_len[row]].tolist() for row, prompt in enumerate(ids)]
+        want = reference_logits(target, d, seqs, k, pad=128)
+        got = cached_block_logits(d.state, state.last, state.length, state.drafter_cache, head_def=d.graphdef)
+        np.testing.assert_allclose(np.asarray(got)[: len(ids), 1 : k + 1], want, atol=2e-4, err_msg=f"step {step}")
+        state = sp.jit_round(cfg, *dec.modules(), state)
+    res = dec.generate(prompts[:2], max_new_tokens=NEW)
+    for p, got in zip(prompts[:2], res.tokens):
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+        assert got == ref[0, len(p) :].tolist()
+
+
 # ---------------------------------------------------------------------------------------
 # formats
 def _head(head: str) -> Drafter:

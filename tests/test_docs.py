@@ -68,7 +68,7 @@ def _doc_default(value) -> str:
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, tuple):
-        return f"`{' '.join(map(str, value))}`"
+        return f"`{' '.join(map(str, value))}`" if value else "none"
     return f"`{value}`"
 
 

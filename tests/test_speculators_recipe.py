@@ -2,7 +2,8 @@
 trainer's feature function (`train.step.features`): speculators' P-EAGLE recipe trains (finite
 losses; a repeated example is fitted), its saved head loads with `peagle_jax.load_drafter` with our
 draft vocabulary, lm_head frozen at the target's rows, embed_tokens trained; the batch is their
-shift of the raw arrays; and their teacher on our final-norm states is the target's logits."""
+shift of the raw arrays; and their teacher on our final-norm states is the target's logits. Their
+DFlash recipe trains with its own defaults and unshifted batches, and its head loads too."""
 
 from __future__ import annotations
 
@@ -134,6 +135,47 @@ def test_the_batch_is_their_shift_of_the_raw_arrays(recipe, tiny):
     assert torch.equal(batch["verifier_last_hidden_states"][0], bf16(y[1:]))
     assert torch.equal(batch["loss_mask"][0], torch.as_tensor(mask[1:]).long())
     assert torch.equal(batch["document_ids"][0], torch.zeros(LENGTH - 1, dtype=torch.long))
+
+
+def test_their_dflash_recipe_trains_and_saves_a_head_our_importer_loads(recipe, tiny, tmp_path):
+    """`--speculator-type dflash` as their CLI resolves it (5 layers, block 16, CE, D-PACE),
+    embed_tokens and lm_head frozen; max_anchors at the sequence length takes every anchor, as
+    their 512 does, without the padded blocks' cost."""
+    import peagle_jax as pj
+    from peagle_jax.models.drafter import draft_vocab_ids
+
+    folder, target, examples, features, draft_ids = tiny
+    out = tmp_path / "dflash"
+    over = {"max_anchors": LENGTH}
+    res = recipe.train_speculators(
+        folder, examples, features, [0, 1, 2], draft_ids, out, kind="dflash", overrides=over,
+        aux_layer_ids=target.aux_layer_ids,
+    )  # fmt: skip
+    assert len(res["losses"]) == 3 and np.all(np.isfinite(res["losses"]))
+    assert len(res["acc"][0]) == 15  # block slots 1..15 (slot 0 is the anchor's own token)
+    cfg = res["config"]
+    resolved = {k: cfg["train_config"][k] for k in ("num_layers", "block_size", "per_position_loss_weight")}
+    assert resolved == {"num_layers": 5, "block_size": 16, "per_position_loss_weight": "dpace"}
+    assert cfg["train_call_kwargs"]["loss_config"] == ["ce"] and cfg["train_call_kwargs"]["max_anchors"] == LENGTH
+    assert cfg["frozen"] == ["embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight"]
+    head = pj.load_drafter(out, target=target)
+    assert (head.config.mode, head.config.block_size, head.config.num_layers) == ("dflash", 16, 5)
+    assert head.config.aux_layer_ids == tuple(target.aux_layer_ids)
+    np.testing.assert_array_equal(draft_vocab_ids(head.d2t), draft_ids)
+
+
+def test_their_dflash_batch_is_the_raw_arrays(recipe, tiny):
+    """Their CLI gives dflash no preprocess: row t is token t, its aux and teacher states at t."""
+    folder, target, examples, features, draft_ids = tiny
+    model, args, _ = recipe.build_reference(folder, draft_ids, kind="dflash", aux_layer_ids=target.aux_layer_ids)
+    data = recipe._dataset(examples, features, args.total_seq_len, torch.bfloat16)
+    batch = recipe._batch(data[1], args, model, torch.bfloat16)
+    (ids, mask), (aux, y) = examples[1], features(1)
+    bf16 = lambda a: torch.tensor(a).bfloat16()
+    assert torch.equal(batch["input_ids"][0], torch.as_tensor(ids).long())
+    assert torch.equal(batch["hidden_states"][0], bf16(aux))
+    assert torch.equal(batch["verifier_last_hidden_states"][0], bf16(y))
+    assert torch.equal(batch["loss_mask"][0], torch.as_tensor(mask).long())
 
 
 def test_their_teacher_on_our_final_norm_states_is_the_target(recipe, tiny):

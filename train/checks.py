@@ -85,6 +85,7 @@ def _model_data_checks(cfg) -> list[tuple[bool, str]]:
         (m.block_size >= 2, f"model.block_size must be >= 2 (the bonus token and >= 1 draft), got {m.block_size}"),
         (m.draft_vocab >= 0, "model.draft_vocab must be >= 0"),
         (m.mask_token_id is None or m.mask_token_id >= 0, "model.mask_token_id must be >= 0"),
+        *_window_checks(m),
         (d.max_conversations >= 0, "data.max_conversations must be >= 0 (0 = all)"),
         (d.heldout >= 0, "data.heldout must be >= 0"),
         (d.max_len >= 16, "data.max_len must be >= 16"),
@@ -100,6 +101,30 @@ def _model_data_checks(cfg) -> list[tuple[bool, str]]:
         (d.max_anchors is None or d.max_anchors >= 1, "data.max_anchors must be >= 1 (or unset)"),
         (d.regenerate_tokens >= 1, "data.regenerate_tokens must be >= 1"),
         *_batch_checks(cfg),
+    ]
+
+
+def _window_checks(m) -> list[tuple[bool, str]]:
+    """Sliding head layers: a window of at least one position; full layers and the non-causal
+    block only beside a window (and the latter only for DFlash)."""
+    layers = set(m.full_attention_layers)
+    return [
+        (
+            m.sliding_window is None or m.sliding_window >= 1,
+            f"model.sliding_window must be >= 1, got {m.sliding_window}",
+        ),
+        (
+            not layers or m.sliding_window is not None,
+            "model.full_attention_layers needs model.sliding_window (without a window every layer is full)",
+        ),
+        (
+            layers <= set(range(m.num_layers)),
+            f"model.full_attention_layers {sorted(layers)}: the head's layers are 0 .. {m.num_layers - 1}",
+        ),
+        (
+            not m.sliding_window_non_causal or (m.mode == "dflash" and m.sliding_window is not None),
+            "model.sliding_window_non_causal is for DFlash heads with a model.sliding_window",
+        ),
     ]
 
 

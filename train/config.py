@@ -81,6 +81,14 @@ class ModelConfig:
     [rows, rows] mask: compiles faster, fine for short rows), or auto (dense up to 512 rows, else kernels)."""
     mask_token_id: int | None = None
     """Mask token of the parallel slots (None: the target's pad token, else V-1)."""
+    sliding_window: int | None = None
+    """Head layers attend only the last sliding_window positions (speculators' --sliding-window; every layer but
+    model.full_attention_layers; unset: full attention). DFlash: the context rows before the block's anchor."""
+    full_attention_layers: tuple[int, ...] = ()
+    """With model.sliding_window: the head layers that keep full attention (speculators' --full-attention-indices)."""
+    sliding_window_non_causal: bool = False
+    """DFlash with model.sliding_window: a block is bidirectional inside its sliding layers (speculators' key of that
+    name); off: causal there. Full-attention DFlash layers are always bidirectional."""
     seed: int = 0
     """Seed of the head's initialisation."""
 

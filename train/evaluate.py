@@ -82,9 +82,11 @@ class HeldoutSet:
 
     DFlash heads (`block_size` given; aux: the head's own context layers): every anchor a whose
     tokens a+1..a+k are supervised drafts its block in one pass, slot j right when it is the
-    target's greedy token after position a + j - 1 (k at most block_size - 1)."""
+    target's greedy token after position a + j - 1 (k at most block_size - 1). The anchors leave
+    room for a block of `room` (default block_size) before the sequence ends: heads of different
+    block sizes scored with one `room` are scored on the same anchors."""
 
-    def __init__(self, target, examples: list, features, *, k: int = 7, max_len: int = 256, block_size=None):
+    def __init__(self, target, examples: list, features, *, k: int = 7, max_len: int = 256, block_size=None, room=None):
         self.k, self.block_size = k, block_size
         if block_size is not None and not 1 <= k < block_size:
             raise ValueError(f"HeldoutSet: k={k} drafts do not fit a DFlash block of {block_size}")
@@ -96,7 +98,7 @@ class HeldoutSet:
             greedy = _greedy_at(jnp.asarray(y)[None], w, softcap)  # [1, L]: the target's token after each position
             self.feats.append(jnp.asarray(aux)[None])
             if block_size is not None:
-                self.rows.append(every_block(e, max_len, block_size, k))
+                self.rows.append(every_block(e, max_len, block_size, k, room=room))
                 self.greedy.append(greedy)
                 continue
             b = cod.make_batch(
@@ -166,14 +168,15 @@ class HeldoutSet:
         return {"acceptance": mean, "se": se, "anchors": int(sum(counts)), "sequences": len(counts), "by_depth": reach}
 
 
-def every_block(example, length: int, block_size: int, k: int) -> BlockBatch:
+def every_block(example, length: int, block_size: int, k: int, room: int | None = None) -> BlockBatch:
     """One sequence's DFlash blocks for scoring: an anchor at every position a whose next k
-    tokens are supervised and whose block stays in the sequence (one anchor slot per position)."""
+    tokens are supervised and from which a block of `room` (default block_size) stays in the
+    sequence (one anchor slot per position)."""
     n = len(example.ids)
     sup = np.zeros(length, bool)
     sup[:n] = example.mask
     ok = np.zeros(length, bool)
-    for a in range(max(0, n - block_size + 1)):
+    for a in range(max(0, n - (room or block_size) + 1)):
         ok[a] = sup[a + 1 : a + k + 1].all()
     anchors = np.flatnonzero(ok).astype(np.int32)
     b = BlockBatch(

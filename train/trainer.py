@@ -60,17 +60,28 @@ def check_target(cfg: C.TrainConfig, target, where) -> None:
 
 
 def head_flags(mc: C.ModelConfig) -> dict:
-    """`new_drafter`'s layer flags of model: P-EAGLE / EAGLE-3 input norms, or a DFlash block
-    (Qwen3 layers, none of those norms: `new_drafter` sets them)."""
+    """`new_drafter`'s layer flags of model: the sliding layers, then P-EAGLE / EAGLE-3 input norms,
+    or a DFlash block (Qwen3 layers, none of those norms: `new_drafter` sets them)."""
+    window = {"sliding_window": mc.sliding_window, "layer_types": layer_types(mc)}
     if mc.mode == "dflash":
-        return {"block_size": mc.block_size}
+        return {**window, "block_size": mc.block_size, "sliding_window_non_causal": mc.sliding_window_non_causal}
     return {
+        **window,
         "fc_norm": mc.fc_norm,
         "norm_before_fc": mc.norm_before_fc,
         "qk_norm": mc.qk_norm,
         "norm_before_residual": mc.norm_before_residual,
         "init_layer": mc.init_layer,
     }
+
+
+def layer_types(mc: C.ModelConfig) -> tuple[str, ...] | None:
+    """The head's per-layer attention (HF `layer_types`): with a window, every layer slides but
+    model.full_attention_layers; None without one (all full)."""
+    if mc.sliding_window is None:
+        return None
+    full = set(mc.full_attention_layers)
+    return tuple("full_attention" if i in full else "sliding_attention" for i in range(mc.num_layers))
 
 
 class Hook:

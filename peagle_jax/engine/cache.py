@@ -6,7 +6,8 @@ drafters both describe their caches by a config with `num_layers`, `num_kv_heads
 Inside jit, caches are allocated from a `spec` (static, hashable), so a compiled function
 owns its buffers. A DFlash head's cache has the same shape: per layer the context K/V of the
 tokens the target has run (its blocks are never written), so it needs no more slots than the
-target's.
+target's. A DFlash head whose every layer slides keeps a ring instead (`drafter_length`): slot =
+position mod its length.
 """
 
 from __future__ import annotations
@@ -44,6 +45,18 @@ def length_for(longest_prompt: int, max_new_tokens: int, k: int = 0) -> int:
     """Slots one generation call needs: the prompt, the new tokens, and one round's overshoot
     (a round writes K+1 target slots and up to 2K drafter slots past the last accepted token)."""
     return int(longest_prompt) + int(max_new_tokens) + 2 * int(k) + 2
+
+
+def drafter_length(config, length: int, k: int) -> int:
+    """Slots of a drafter's cache in calls whose caches hold `length` and whose rounds draft `k`.
+    A DFlash head whose every layer slides (window W, `DrafterConfig.context_window`) reads only
+    the W positions before a block's anchor p, and a round writes its verified slots, at most
+    position p + k - 1: a ring of W + k slots holds p - W .. p - 1 with nothing newer written over
+    them (`DFlashModel.write_context`). Rounded up to LENGTH_MULTIPLE, at most `length`."""
+    window = getattr(config, "context_window", None)
+    if window is None:
+        return int(length)
+    return min(int(length), round_up(window + int(k), LENGTH_MULTIPLE))
 
 
 def bucket_length(longest_prompt: int, max_new_tokens: int, k: int = 0) -> int:

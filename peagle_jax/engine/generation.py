@@ -337,7 +337,11 @@ class SpeculativeDecoder:
         tdef, tstate, ddef, dstate = self.modules()
         b = prompt.shape[0]
         tspec = kv.spec(self.target.config, b, cache_len, _param_dtype(tstate))
-        dspec = None if self.mode == "none" else kv.spec(self.drafter.config, b, cache_len, _param_dtype(dstate))
+        if self.mode == "none":
+            dspec = None
+        else:
+            dlen = kv.drafter_length(self.drafter.config, cache_len, cfg.k)
+            dspec = kv.spec(self.drafter.config, b, dlen, _param_dtype(dstate))
         budget = jnp.full(lens.shape, max_new_tokens, jnp.int32)
         state = sp.jit_prefill(
             cfg, tdef, tstate, ddef, dstate, prompt, lens, budget, tspec, dspec, jax.random.key(seed)

@@ -24,7 +24,10 @@ Inference (`write_context`, `draft_block`; the engine's mode "dflash"): the cont
 every token the target has run live in a position-indexed cache (`peagle_jax.engine.cache`); each
 round writes the newly accepted tokens' K/V at their positions, then one pass runs the block
 at the next position p over the cache. Entries at positions >= p (rejected drafts of earlier
-rounds) are invisible under the block rule, so no crop is needed.
+rounds) are invisible under the block rule, so no crop is needed. A head whose every layer
+slides (`DrafterConfig.context_window`) keeps a ring: slot = position mod the cache's length
+(`engine.cache.drafter_length` sizes it), each slot read as the newest position before p that
+maps to it; a rejected draft's slot then reads as a position older than the window.
 
 Parameter names follow the checkpoint keys of both DFlash formats (speculators' and z-lab /
 vLLM's), so `peagle_jax.formats.checkpoints` maps them one line per tensor. `embed_tokens` and `lm_head`
@@ -140,10 +143,12 @@ class DFlashModel(DraftHead):
         return jnp.concatenate([bonus[..., None].astype(jnp.int32), masks], axis=-1)
 
     def write_context(self, cache: tuple, aux: jax.Array, positions: jax.Array) -> tuple:
-        """`cache` (per layer (k, v) [B, S, Hkv, D], index = position) with the context K/V of the
-        rows whose aux states are `aux` [B, R, n*Ht] written at `positions` [B, R] (-1: not written)."""
+        """`cache` (per layer (k, v) [B, S, Hkv, D], index = position, or position mod S for a
+        ring) with the context K/V of the rows whose aux states are `aux` [B, R, n*Ht] written at
+        `positions` [B, R] (-1: not written)."""
         new = self.context_kv(self.context(aux), positions)
-        return tuple((write_kv(ck, k, positions), write_kv(cv, v, positions)) for (ck, cv), (k, v) in zip(cache, new))
+        slots = ring_slots(positions, cache[0][0].shape[1]) if self.config.context_window else positions
+        return tuple((write_kv(ck, k, slots), write_kv(cv, v, slots)) for (ck, cv), (k, v) in zip(cache, new))
 
     def draft_block(self, bonus: jax.Array, anchor: jax.Array, cache: tuple, backend: str = "auto") -> DrafterOutput:
         """One block [bonus, MASK x (B-1)] per row at positions anchor .. anchor + B - 1 over the
@@ -155,7 +160,9 @@ class DFlashModel(DraftHead):
         live = anchor >= 0
         positions = jnp.where(live[:, None], anchor[:, None] + jnp.arange(size), -1)
         ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        ctx_doc = jnp.where(ctx_pos < anchor[:, None], 0, -1)  # filled, accepted slots only
+        if self.config.context_window:  # a ring: slot j holds the newest position before p that maps to j
+            ctx_pos = anchor[:, None] - 1 - (anchor[:, None] - 1 - ctx_pos) % s
+        ctx_doc = jnp.where((ctx_pos >= 0) & (ctx_pos < anchor[:, None]), 0, -1)  # filled, accepted slots only
         spec = kernels.AttentionSpec.block(
             anchor[:, None], jnp.where(live, 0, -1)[:, None], ctx_pos, ctx_doc, block_size=size
         )
@@ -169,6 +176,14 @@ class DFlashModel(DraftHead):
         for layer, kv in zip(self.layers, context):
             x = layer(x, positions, kv, spec, backend)
         return DrafterOutput(self.head(x), x, None)
+
+
+def ring_slots(positions: jax.Array, size: int) -> jax.Array:
+    """Ring slots (position mod `size`) of one write's `positions` [B, R]; -1 (not written) for a
+    position that a newer one of the same write takes the slot of (a prefill longer than the ring)."""
+    newest = jnp.max(positions, axis=1, keepdims=True)
+    keep = (positions >= 0) & (positions > newest - size)
+    return jnp.where(keep, positions % size, -1)
 
 
 def block_rows_states(

@@ -228,7 +228,8 @@ def decode_state(cfg, target: Target, head, batch: int, cache_len: int):
     """The abstract DecodeState of `batch` rows (jit_prefill's output shapes), caches split as
     the weights' kv heads are (over tensor) and rows over data."""
     tspec = kv.spec(target.config, batch, cache_len, target.dtype)
-    dspec = None if head is None else kv.spec(head.config, batch, cache_len, float_dtype(head.state))
+    dlen = None if head is None else kv.drafter_length(head.config, cache_len, cfg.k)
+    dspec = None if head is None else kv.spec(head.config, batch, dlen, float_dtype(head.state))
     rows = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))

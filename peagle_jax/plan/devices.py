@@ -35,11 +35,13 @@ GPUS = {
     "h100": Gpu("NVIDIA H100 80GB HBM3", 80 * GiB, 3.35e12),
     "h200": Gpu("NVIDIA H200", 141 * 10**9, 4.8e12),
 }
-# TPU generation -> (chips per host bound, HBM per chip, cores per chip in the slice name, bandwidth)
+# TPU generation -> (chips per host in multi-host slices, HBM per chip, cores per chip in the slice
+# name, bandwidth, the most chips of a one-host slice: Cloud TPU's v5e / v6e 8-chip machines
+# (ct5lp-hightpu-8t, ct6e-standard-8t) hold a 2x4 slice on one host)
 TPUS = {
-    "v5e": (4, 16 * GiB, 1, 8.19e11),
-    "v5p": (4, 95 * GiB, 2, 2.765e12),
-    "v6e": (4, 32 * GiB, 1, 1.64e12),
+    "v5e": (4, 16 * GiB, 1, 8.19e11, 8),
+    "v5p": (4, 95 * GiB, 2, 2.765e12, 4),
+    "v6e": (4, 32 * GiB, 1, 1.64e12, 8),
 }
 
 
@@ -53,6 +55,7 @@ class Device:
     memory_bytes: int  # per device
     bandwidth: float  # HBM bytes / s per device
     topology: str  # get_topology_desc's topology name
+    host_bounds: tuple[int, ...] | None = None  # libtpu's chips_per_host_bounds (None: its default, 2x2x1)
 
     def describe(self) -> str:
         where = f"{self.count} x {self.kind}" + (f" on {self.hosts} hosts" if self.hosts > 1 else "")
@@ -71,11 +74,15 @@ def parse_device(name: str) -> Device:
     m = re.fullmatch(r"(v5e|v5p|v6e)-(\d+)", key)
     if m:
         gen, cores = m.group(1), int(m.group(2))
-        per_host, hbm, per_chip, bw = TPUS[gen]
+        per_host, hbm, per_chip, bw, one_host = TPUS[gen]
         chips = cores // per_chip
         if chips < 4 or chips & (chips - 1) or cores % per_chip:
             raise ValueError(f"{name}: a {gen} slice of {cores} cores is not a power-of-two count of >= 4 chips")
-        return Device(name, "tpu", gen, chips, max(1, chips // per_host), hbm, bw, _tpu_topology(gen, chips))
+        topo = _tpu_topology(gen, chips)
+        if per_host < chips <= one_host:  # a one-host v5e / v6e 2D grid (libtpu's default bound is 2x2 a host)
+            bounds = (*map(int, topo.split(":")[1].split("x")), 1)
+            return Device(name, "tpu", gen, chips, 1, hbm, bw, topo, bounds)
+        return Device(name, "tpu", gen, chips, max(1, chips // per_host), hbm, bw, topo)
     raise ValueError(
         f"unknown device {name!r}: expected h100, h200, h100x8, h200x8x2 (hosts), v5e-8, v5p-8, v6e-8, ..."
     )
@@ -136,7 +143,8 @@ def topology_devices(device: Device) -> list:
 
     try:
         if device.platform == "tpu":
-            topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology)
+            bounds = {} if device.host_bounds is None else {"chips_per_host_bounds": device.host_bounds}
+            topo = topologies.get_topology_desc(platform="tpu", topology_name=device.topology, **bounds)
         else:
             cfg = gpu_target_config(device.kind)
             topo = topologies.get_topology_desc(device.kind, "cuda", target_config=cfg, topology=device.topology)

@@ -33,6 +33,19 @@ def test_a_config_only_folder_compiles_and_fits(tmp_path):
     assert 0 < program["peak_bytes"] < program["device_memory_bytes"]
     assert program["headroom_bytes"] == program["device_memory_bytes"] - program["peak_bytes"]
     assert "compiled serve/decode step" in done.stdout
+    assert "v5e-8: 8 x v5e, 16.0 GiB each;" in done.stdout  # one host, as Cloud TPU's v5e-8 machine
+
+
+@pytest.mark.parametrize("name, hosts", [("v5e-8", 1), ("v6e-8", 1), ("v5e-16", 4), ("v5p-8", 1), ("v5p-16", 2)])
+def test_a_slice_compiles_on_the_hosts_cloud_tpu_gives_it(name, hosts):
+    """libtpu lays a topology out as 2x2 chips a host unless told: a v5e-8 / v6e-8 (one 8-chip
+    machine) would be planned as two hosts."""
+    from peagle_jax.plan.devices import parse_device, topology_devices
+
+    device = parse_device(name)
+    devices = topology_devices(device)
+    assert device.hosts == hosts == len({d.process_index for d in devices}), name
+    assert len(devices) == device.count
 
 
 def test_a_program_that_compiles_but_does_not_fit_exits_1(tmp_path):

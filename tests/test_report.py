@@ -250,7 +250,8 @@ def _results(ks=(3, 7), heads=LABELS):
     modes = {"P-EAGLE": "parallel", "EAGLE-3": "chain", "DFlash": "dflash"}
     training = {
         "mode": "parallel", "steps": 4, "train_tokens": 100, "train_seconds": 1.0, "final_loss": 1.0,
-        "per_depth_accuracy": [0.5], "simulated_acceptance_length": 1.5,
+        "per_depth_accuracy": [0.5], "simulated_acceptance_length": 1.5, "heldout": {"eval_sim_tau": 1.3},
+        "heldout_rounds": {"per_round": 1.2},
     }  # fmt: skip
     return {
         "settings": {
@@ -293,6 +294,11 @@ def _cells(section: str, first: str) -> list[str]:
 def _column(section: str, name: str) -> int:
     header = next(ln for ln in section.splitlines() if ln.startswith("| "))
     return [c.strip() for c in header.strip("|").split("|")].index(name)
+
+
+def test_the_training_table_gives_the_held_out_acceptance_beside_the_training_batches():
+    cells = _cells(_section(markdown(_results(), "report"), "Training"), "P-EAGLE")
+    assert cells[-3:] == ["1.50", "1.30", "1.20"]
 
 
 def test_the_paper_figures_are_reference_columns_beside_ours():

@@ -271,3 +271,12 @@ def test_the_end_line_names_the_training_batches_acceptance_beside_the_held_out_
         assert entry.main(["--preset", "tiny"]) == 0
     out = capsys.readouterr().out
     assert "simulated acceptance length 1.81 on the last training batches, 1.23 on the 4 held-out conversations" in out
+    rounds = {"k": 7, "conversations": 4, "per_anchor": 1.31, "per_anchor_se": 0.02, "per_round": 1.19}
+    summary["heldout_rounds"] = rounds | {"per_round_se": 0.03, "rounds": 120}
+    with mock.patch("train.loop.run", lambda cfg, hooks=(): summary):
+        assert entry.main(["--preset", "tiny"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "simulated acceptance length 1.81 on the last training batches, 1.31 per anchor and 1.19 ± 0.03 per greedy "
+        "round (K=7, 120 rounds: what the engine accepts) on the 4 held-out conversations"
+    ) in out

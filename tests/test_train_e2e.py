@@ -68,6 +68,9 @@ def test_tiny_learns(tiny_run):
     for key in ("k", "acceptance_length", "speedup", "baseline_tokens_per_second", "tokens_per_second", "prompts"):
         assert key in summary["eval"], key
     assert summary["eval"]["identical_to_greedy"] == 1.0  # greedy speculative decoding is lossless
+    rounds = summary["heldout_rounds"]  # the engine's walk over the held-out answers
+    assert rounds["conversations"] == summary["data"]["heldout"] > 0 and rounds["rounds"] > 0
+    assert 1.0 <= rounds["per_round"] <= rounds["k"] + 1 and 1.0 <= rounds["per_anchor"] <= rounds["k"] + 1
     assert json.loads((out / "summary.json").read_text())["steps"] == 60
     assert any((out / "tensorboard").iterdir())
 

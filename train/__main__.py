@@ -63,9 +63,18 @@ def train(cfg, hooks: Sequence = ()) -> int:
 
 
 def heldout_tau(summary: dict) -> str:
-    """The held-out simulated acceptance beside the training batches' one: batches the head has
-    learned from overstate what it accepts on new text (regenerated data most of all)."""
+    """The held-out acceptance beside the training batches' one: batches the head has learned
+    from overstate what it accepts on new text (regenerated data most of all), and a mean over
+    every anchor overstates what greedy rounds accept (they step over long accepts): the per-round
+    figure is the engine's acceptance length answering the held-out conversations."""
     held, n = summary.get("heldout") or {}, summary.get("data", {}).get("heldout")
+    rounds = summary.get("heldout_rounds")
+    if rounds and rounds["rounds"]:
+        return (
+            f", {rounds['per_anchor']:.2f} per anchor and {rounds['per_round']:.2f} ± {rounds['per_round_se']:.2f} "
+            f"per greedy round (K={rounds['k']}, {rounds['rounds']} rounds: what the engine accepts) on the "
+            f"{rounds['conversations']} held-out conversations"
+        )
     tau = held.get("eval_sim_tau")
     return "" if tau is None else f", {tau:.2f} on the {n} held-out conversations"
 

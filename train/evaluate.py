@@ -1,7 +1,7 @@
 """Evaluation of a trained head. `measure`: acceptance length and speedup against plain greedy
 decoding on held-out prompts (the speculative engine of `peagle_jax.engine.generation`).
 `HeldoutSet`: simulated acceptance on held-out sequences with its standard error, cheap
-enough to compare many heads (see its docstring).
+enough to compare many heads (see its docstring), per anchor and per greedy round.
 
 Each prompt is decoded alone (batch 1, the regime speculative decoding targets), in the
 trainer's own prompt format (`peagle_jax.chat.encode_prompt`); every prompt is padded to one
@@ -28,7 +28,7 @@ from train.blocks import BlockBatch
 from train.loss import next_rows, take_rows, teacher_logits, top_index
 from train.metrics import anchor_acceptance, clustered_mean
 
-__all__ = ["measure", "HeldoutSet"]
+__all__ = ["measure", "HeldoutSet", "heldout_rounds", "walk_rounds", "answer_starts"]
 
 
 def _run(dec: SpeculativeDecoder, prompts, max_new: int):
@@ -84,7 +84,13 @@ class HeldoutSet:
     tokens a+1..a+k are supervised drafts its block in one pass, slot j right when it is the
     target's greedy token after position a + j - 1 (k at most block_size - 1). The anchors leave
     room for a block of `room` (default block_size) before the sequence ends: heads of different
-    block sizes scored with one `room` are scored on the same anchors."""
+    block sizes scored with one `room` are scored on the same anchors.
+
+    Per round (`acceptance`'s "per_round"): the engine does not start a round at every anchor.
+    From an answer's first token it runs a round, accepts that anchor's length L and starts the
+    next round L tokens on (`walk_rounds`), so its acceptance length is tokens / rounds along that
+    walk: long accepts are stepped over, and the mean over every anchor overstates it. On the
+    target's own greedy answers the walk is exactly the engine's rounds (a test checks it)."""
 
     def __init__(self, target, examples: list, features, *, k: int = 7, max_len: int = 256, block_size=None, room=None):
         self.k, self.block_size = k, block_size
@@ -93,6 +99,7 @@ class HeldoutSet:
         w = jnp.asarray(target.embedding_arrays()[1])
         softcap = target.config.final_logit_softcapping
         self.rows, self.feats, self.greedy = [], [], []
+        self.starts = [answer_starts(e.mask) for e in examples]
         for e in examples:
             aux, y = features(e)
             greedy = _greedy_at(jnp.asarray(y)[None], w, softcap)  # [1, L]: the target's token after each position
@@ -154,18 +161,65 @@ class HeldoutSet:
         return b.anchor[0][valid].astype(np.int64), (1 + np.cumprod(hit[valid], axis=-1).sum(-1)).astype(np.float64)
 
     def acceptance(self, drafter) -> dict:
-        """{"acceptance", "se", "anchors", "sequences", "by_depth"} of `drafter`; by_depth[d]: the
-        share of anchors whose drafts 0..d are all right."""
-        sums, counts, ends = [], [], np.zeros(self.k + 1)
+        """{"acceptance", "se", "anchors", "sequences", "by_depth", "per_round", "per_round_se",
+        "rounds"} of `drafter`: the mean over anchors, by_depth[d] the share of anchors whose
+        drafts 0..d are all right; per_round the engine's walk (the class docstring)."""
+        sums, counts, ends, walked, rounds = [], [], np.zeros(self.k + 1), [], []
+        offset = 0 if self.block_size is not None else 1  # a round's bonus token at p: DFlash anchor p, COD p - 1
         for i in range(len(self.rows)):
-            _, lengths = self.anchor_lengths(drafter, i)
+            anchors, lengths = self.anchor_lengths(drafter, i)
             sums.append(lengths.sum())
             counts.append(len(lengths))
             ends += np.bincount(lengths.astype(int) - 1, minlength=self.k + 1)
+            tokens, n = walk_rounds(anchors, lengths, self.starts[i] - offset)
+            walked.append(tokens)
+            rounds.append(n)
         mean, se = clustered_mean(np.asarray(sums), np.asarray(counts))
+        per_round, per_round_se = clustered_mean(np.asarray(walked), np.asarray(rounds))
         n = max(sum(counts), 1)
         reach = [float(ends[d + 1 :].sum() / n) for d in range(self.k)]
-        return {"acceptance": mean, "se": se, "anchors": int(sum(counts)), "sequences": len(counts), "by_depth": reach}
+        out = {"acceptance": mean, "se": se, "anchors": int(sum(counts)), "sequences": len(counts), "by_depth": reach}
+        return out | {"per_round": per_round, "per_round_se": per_round_se, "rounds": int(sum(rounds))}
+
+
+def heldout_rounds(target, head, examples: list, *, k: int, max_len: int) -> dict:
+    """`head`'s acceptance on held-out conversations as the engine would measure it answering
+    them greedily at K = k (`HeldoutSet`'s per-round walk), with the mean over every anchor beside
+    it: {"k", "conversations", "per_round", "per_round_se", "rounds", "per_anchor", "per_anchor_se"}."""
+    from train.step import features
+
+    aux_ids = tuple(head.config.aux_layer_ids)
+    run = jax.jit(lambda t, p: features(target.graphdef, target.state, t, p, aux_ids))
+
+    def feats(e):
+        tokens = np.zeros((1, max_len), np.int32)
+        positions = np.full((1, max_len), -1, np.int32)
+        tokens[0, : len(e.ids)], positions[0, : len(e.ids)] = e.ids, np.arange(len(e.ids))
+        aux, y = run(tokens, positions)
+        return np.asarray(aux[0], np.float32), np.asarray(y[0], np.float32)
+
+    block = head.config.block_size if head.config.mode == "dflash" else None
+    score = HeldoutSet(target, examples, feats, k=k, max_len=max_len, block_size=block).acceptance(head)
+    out = {"k": k, "conversations": len(examples), "per_anchor": score["acceptance"], "per_anchor_se": score["se"]}
+    return out | {key: score[key] for key in ("per_round", "per_round_se", "rounds")}
+
+
+def answer_starts(mask) -> np.ndarray:
+    """Positions where a supervised span (an answer) begins: its first token is a round's bonus."""
+    m = np.asarray(mask, bool)
+    return np.flatnonzero(m & ~np.concatenate([[False], m[:-1]]))
+
+
+def walk_rounds(anchors, lengths, starts) -> tuple[float, int]:
+    """(tokens, rounds) of the greedy rounds walked from each anchor of `starts`: the round from
+    anchor a accepts lengths[a] tokens and the next starts at a + lengths[a], as the engine's
+    rounds do on the target's greedy text; a walk ends at an anchor with no complete round."""
+    at = dict(zip(np.asarray(anchors).tolist(), np.asarray(lengths).tolist()))
+    tokens, rounds = 0.0, 0
+    for a in np.asarray(starts).tolist():
+        while a in at:
+            tokens, rounds, a = tokens + at[a], rounds + 1, a + int(at[a])
+    return tokens, rounds
 
 
 def every_block(example, length: int, block_size: int, k: int, room: int | None = None) -> BlockBatch:

@@ -23,6 +23,7 @@ from train import data as D
 from train import distributed as dist
 from train.checkpoint import Checkpoints
 from train.checks import INT_MAX, check_target_fits
+from train.evaluate import heldout_rounds
 from train.metrics import MetricsLog
 from train.payoff import fastest_k, payoff
 from train.trainer import Hook, TimeBudget, Trainer, TrainError, check_target, total_steps
@@ -336,9 +337,15 @@ def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, 
     log(f"saved {head_dir}, exported {vllm_dir}")
     summary = run_summary(cfg, trainer, ds, metrics, tpath, start, train_wall, ev)
     summary.update(head_dir=str(head_dir), vllm_dir=str(vllm_dir), export_warnings=report.get("warnings", []))
+    if cfg.eval.enabled and dist.multi_process():  # process 0 alone measures, on its own copy of the target
+        target = load_target(cfg, out)[1]
+    # what the engine accepts answering the held-out conversations (HeldoutSet scores P-EAGLE and DFlash heads)
+    if ds.heldout and cfg.model.mode != "chain" and (cfg.eval.enabled or not dist.multi_process()):
+        summary["heldout_rounds"] = heldout_rounds(
+            target, export.head, ds.heldout, k=trainer.eval_k, max_len=cfg.data.max_len
+        )
+        check_interrupted()
     if cfg.eval.enabled:
-        if dist.multi_process():  # process 0 alone measures speed, on its own copy of the target
-            target = load_target(cfg, out)[1]
         summary["eval"] = measure_speed(cfg, target, export.head, log)
         check_interrupted()
         summary.update(serving_advice(cfg, summary, metrics.records()))

@@ -94,9 +94,16 @@ def stages_section(results: dict) -> list[str]:
     ]
 
 
+# the trainer's acceptance figures: on the batches it learned from, on held-out rows, and per greedy
+# round on the held-out answers (what the engine accepts: docs/design/acceptance-prediction.md)
+SIMULATED = ["simulated acceptance, last training batches", "held out, per row", "held out, per greedy round"]
+
+
 def training_row(head: str, t: dict) -> list:
     """One head's trainer summary; a figure a trainer mode does not report is '-'."""
     final_loss, simulated = t.get("final_loss"), t.get("simulated_acceptance_length")
+    heldout = (t.get("heldout") or {}).get("eval_sim_tau")
+    per_round = (t.get("heldout_rounds") or {}).get("per_round")
     return [
         head,
         t["mode"],
@@ -106,6 +113,8 @@ def training_row(head: str, t: dict) -> list:
         f"{final_loss:.3f}" if final_loss is not None else "-",
         " ".join(f"{a:.2f}" for a in t.get("per_depth_accuracy") or []) or "-",
         f"{simulated:.2f}" if simulated else "-",
+        f"{heldout:.2f}" if heldout else "-",
+        f"{per_round:.2f}" if per_round else "-",
     ]
 
 
@@ -116,7 +125,7 @@ def training_section(results: dict) -> list[str]:
     return [
         "## Training",
         "",
-        table([*columns, "simulated acceptance"], rows),
+        table([*columns, *SIMULATED], rows),
         "",
         f"Greedy outputs equal to plain decoding: **{g['equal']} / {g['total']}** (every head, K, batch and prompt).",
         "",

@@ -27,6 +27,7 @@ from train import cod
 from train.blocks import BlockBatch
 from train.loss import next_rows, take_rows, teacher_logits, top_index
 from train.metrics import anchor_acceptance, clustered_mean
+from train.step import features
 
 __all__ = ["measure", "HeldoutSet", "heldout_rounds", "walk_rounds", "answer_starts"]
 
@@ -186,22 +187,22 @@ def heldout_rounds(target, head, examples: list, *, k: int, max_len: int) -> dic
     """`head`'s acceptance on held-out conversations as the engine would measure it answering
     them greedily at K = k (`HeldoutSet`'s per-round walk), with the mean over every anchor beside
     it: {"k", "conversations", "per_round", "per_round_se", "rounds", "per_anchor", "per_anchor_se"}."""
-    from train.step import features
-
     aux_ids = tuple(head.config.aux_layer_ids)
-    run = jax.jit(lambda t, p: features(target.graphdef, target.state, t, p, aux_ids))
 
     def feats(e):
         tokens = np.zeros((1, max_len), np.int32)
         positions = np.full((1, max_len), -1, np.int32)
         tokens[0, : len(e.ids)], positions[0, : len(e.ids)] = e.ids, np.arange(len(e.ids))
-        aux, y = run(tokens, positions)
+        aux, y = _features(target.graphdef, target.state, tokens, positions, aux_ids)
         return np.asarray(aux[0], np.float32), np.asarray(y[0], np.float32)
 
     block = head.config.block_size if head.config.mode == "dflash" else None
     score = HeldoutSet(target, examples, feats, k=k, max_len=max_len, block_size=block).acceptance(head)
     out = {"k": k, "conversations": len(examples), "per_anchor": score["acceptance"], "per_anchor_se": score["se"]}
     return out | {key: score[key] for key in ("per_round", "per_round_se", "rounds")}
+
+
+_features = jax.jit(features, static_argnums=(0, 4))  # the target's states at aux_ids (one compile per shape)
 
 
 def answer_starts(mask) -> np.ndarray:

@@ -285,18 +285,36 @@ def baseline_of(trainer: str, variant: str) -> str | None:
     return "muon" if variant.startswith("muon_") else "adamw"
 
 
+def per_round(runs: list[dict]) -> str:
+    """The held-out acceptance per greedy round (the engine's walk, `HeldoutSet`) of one seed's run,
+    '-' for runs scored before it was recorded."""
+    h = runs[0]["heldout"]
+    return f"{h['per_round']:.3f} ± {h['per_round_se']:.3f}" if "per_round" in h else "-"
+
+
 def lever_rows(results: list[dict]) -> list[list]:
     """Per (trainer, variant, budget): held-out acceptance and its difference to its baseline."""
     g, rows = group(results), []
     for (trainer, variant, budget), runs in sorted(g.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
         base_name = baseline_of(trainer, variant) if runs[0].get("base") is None else runs[0]["base"]
-        base_name = None if base_name == variant else base_name
+        base_name = None if (trainer, base_name) == ("ours", variant) else base_name  # not against itself
         base = g.get(("ours", base_name, budget))
         a, sa = mean_se(runs)
         diff = f"{a - mean_se(base)[0]:+.3f} vs {base_name}" if base else ""
         wall = np.mean([r["train_s"] for r in runs])
         reach = " ".join(f"{x:.2f}" for x in runs[0]["heldout"]["by_depth"][:4])
-        rows.append([budget, trainer, variant, len(runs), f"{a:.3f} ± {sa:.3f}", diff, f"{wall:.0f}", reach])
+        cells = [
+            budget,
+            trainer,
+            variant,
+            len(runs),
+            f"{a:.3f} ± {sa:.3f}",
+            diff,
+            per_round(runs),
+            f"{wall:.0f}",
+            reach,
+        ]
+        rows.append(cells)
     return rows
 
 
@@ -377,6 +395,7 @@ def publish(results: list[dict], command: str, levers_as: str = "learning_levers
             "seeds",
             "held-out acceptance",
             "vs default",
+            "per greedy round",
             "train s",
             "reach depth 0..3",
         ],

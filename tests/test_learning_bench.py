@@ -72,3 +72,14 @@ def test_publish_lists_the_commands_and_keeps_the_efficiency_table(tmp_path, mon
     ]
     assert [row[2] for row in table["rows"]] == ["ce05", "ce1", "default"]
     assert json.loads(efficiency.read_text()) == {"kept": True}  # no speculators runs: not rewritten
+
+
+def test_speculators_default_is_compared_with_ours_and_the_per_round_figure_shown():
+    bench = load_bench()
+    theirs = result("default", 1.23, base="default") | {"trainer": "speculators"}
+    theirs["heldout"] = theirs["heldout"] | {"per_round": 1.2, "per_round_se": 0.015}
+    rows = {(row[1], row[2]): row for row in bench.lever_rows([result("default", 1.18, base="default"), theirs])}
+    assert rows[("speculators", "default")][5] == "+0.050 vs default"
+    assert rows[("ours", "default")][5] == ""  # not against itself
+    assert rows[("speculators", "default")][6] == "1.200 ± 0.015"
+    assert rows[("ours", "default")][6] == "-"  # scored before the walk was recorded

@@ -341,6 +341,7 @@ def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, 
         target = load_target(cfg, out)[1]
     # what the engine accepts answering the held-out conversations (HeldoutSet scores P-EAGLE and DFlash heads)
     if ds.heldout and cfg.model.mode != "chain" and (cfg.eval.enabled or not dist.multi_process()):
+        log(f"held-out acceptance per greedy round ({len(ds.heldout)} conversations)")
         summary["heldout_rounds"] = heldout_rounds(
             target, export.head, ds.heldout, k=trainer.eval_k, max_len=cfg.data.max_len
         )

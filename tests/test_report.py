@@ -212,6 +212,17 @@ def test_dflash_trains_with_a_block_of_max_k_plus_one(tmp_path):
     assert cmd[cmd.index("--model.block_size") + 1] == "8"
 
 
+def test_the_regenerated_conversations_keep_the_steps_within_one_epoch(tmp_path):
+    """The committed run's 224 records gave 178 examples (a fifth dropped): 200 steps then passed
+    over 174 training conversations again, and its last batches' simulated acceptance (1.81) was
+    on text the head had fitted. The records asked for now leave a step for every conversation."""
+    args = _args()
+    args.regenerate, args.steps, args.heldout, args.regenerate_tokens = True, 200, 4, 128
+    cmd = trainer_command(args, tmp_path, "parallel", 200, "t")
+    records = int(cmd[cmd.index("--data.max_conversations") + 1])
+    assert round(records * 178 / 224) - args.heldout >= args.steps * args.batch_size
+
+
 def test_the_two_head_trainings_keep_their_settings_and_dflash_depends_on_the_ks():
     """A WORK of a two-head run reuses its trainings: their settings are what they were."""
     old = {"--smoke": False, "--target": "t", "--regenerate": False, "--budget": 1.0}

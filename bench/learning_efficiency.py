@@ -53,15 +53,13 @@ def base_config(target_path: Path, extra: list[str], steps: int):
 
 
 class AuxFeatures:
-    """What a `FeatureCache` needs of a stepper: the target's states at `aux_ids` (`train.step.features`)."""
+    """What a `FeatureCache` needs of a stepper: the target's states at `aux_ids` (`train.step.target_states`)."""
 
     def __init__(self, target, aux_ids):
-        import jax
-
-        from train.step import features
+        from train.step import target_states
 
         self.aux_ids = tuple(int(i) for i in aux_ids)
-        self.features = jax.jit(lambda t, p: features(target.graphdef, target.state, t, p, self.aux_ids))
+        self.features = lambda t, p: target_states(target.graphdef, target.state, t, p, self.aux_ids)
 
 
 class Bench:

@@ -11,9 +11,8 @@ import pytest
 import peagle_jax as pj
 from peagle_jax.engine import SpeculativeDecoder, generate_greedy
 from train.data import Example
-from train.evaluate import HeldoutSet, answer_starts, walk_rounds
+from train.evaluate import HeldoutSet, answer_starts, padded_features, walk_rounds
 from train.metrics import anchor_acceptance, clustered_mean
-from train.step import features
 
 
 def test_anchor_acceptance_counts_leading_right_depths_of_complete_chains():
@@ -55,20 +54,7 @@ def overfit(tiny):
     example = Example(ids, np.arange(len(ids)) >= PROMPT_LEN, 0)
     drafter = overfit_head(tiny, example, K)
 
-    return example, drafter, HeldoutSet(tiny, [example], target_features(tiny, tiny.aux_layer_ids), k=K, max_len=64)
-
-
-def target_features(target, aux_ids):
-    """`features(example)` as HeldoutSet takes it: the target's states at `aux_ids`, 64 positions."""
-
-    def feats(e):
-        tok = np.zeros((1, 64), np.int32)
-        pos = np.full((1, 64), -1, np.int32)
-        tok[0, : len(e.ids)], pos[0, : len(e.ids)] = e.ids, np.arange(len(e.ids))
-        aux, y = features(target.graphdef, target.state, tok, pos, tuple(aux_ids))
-        return np.asarray(aux[0]), np.asarray(y[0])
-
-    return feats
+    return example, drafter, HeldoutSet(tiny, [example], padded_features(tiny, tiny.aux_layer_ids, 64), k=K, max_len=64)
 
 
 def test_an_anchor_scores_what_the_engine_accepts_from_it(tiny, overfit):
@@ -115,7 +101,7 @@ def test_a_dflash_walk_is_the_engines_acceptance_too(tiny, overfit):
     the answer's first token is the engine's rounds for a DFlash head as well."""
     example = overfit[0]
     drafter = overfit_head(tiny, example, K, ["--model.mode", "dflash", "--model.block_size", str(K + 1)])
-    feats = target_features(tiny, drafter.config.aux_layer_ids)
+    feats = padded_features(tiny, drafter.config.aux_layer_ids, 64)
     dflash = HeldoutSet(tiny, [example], feats, k=K, max_len=64, block_size=K + 1)
     score = dflash.acceptance(drafter)
     assert score["rounds"] >= 3

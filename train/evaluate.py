@@ -27,9 +27,9 @@ from train import cod
 from train.blocks import BlockBatch
 from train.loss import next_rows, take_rows, teacher_logits, top_index
 from train.metrics import anchor_acceptance, clustered_mean
-from train.step import features
+from train.step import target_states
 
-__all__ = ["measure", "HeldoutSet", "heldout_rounds", "walk_rounds", "answer_starts"]
+__all__ = ["measure", "HeldoutSet", "heldout_rounds", "padded_features", "walk_rounds", "answer_starts"]
 
 
 def _run(dec: SpeculativeDecoder, prompts, max_new: int):
@@ -187,22 +187,26 @@ def heldout_rounds(target, head, examples: list, *, k: int, max_len: int) -> dic
     """`head`'s acceptance on held-out conversations as the engine would measure it answering
     them greedily at K = k (`HeldoutSet`'s per-round walk), with the mean over every anchor beside
     it: {"k", "conversations", "per_round", "per_round_se", "rounds", "per_anchor", "per_anchor_se"}."""
-    aux_ids = tuple(head.config.aux_layer_ids)
-
-    def feats(e):
-        tokens = np.zeros((1, max_len), np.int32)
-        positions = np.full((1, max_len), -1, np.int32)
-        tokens[0, : len(e.ids)], positions[0, : len(e.ids)] = e.ids, np.arange(len(e.ids))
-        aux, y = _features(target.graphdef, target.state, tokens, positions, aux_ids)
-        return np.asarray(aux[0], np.float32), np.asarray(y[0], np.float32)
-
+    feats = padded_features(target, head.config.aux_layer_ids, max_len)
     block = head.config.block_size if head.config.mode == "dflash" else None
     score = HeldoutSet(target, examples, feats, k=k, max_len=max_len, block_size=block).acceptance(head)
     out = {"k": k, "conversations": len(examples), "per_anchor": score["acceptance"], "per_anchor_se": score["se"]}
     return out | {key: score[key] for key in ("per_round", "per_round_se", "rounds")}
 
 
-_features = jax.jit(features, static_argnums=(0, 4))  # the target's states at aux_ids (one compile per shape)
+def padded_features(target, aux_ids, max_len: int):
+    """`features(example) -> (aux [max_len, n*H], y [max_len, H])` as `HeldoutSet` takes it: the
+    target's states at `aux_ids` over the example padded to max_len (one compile for every example)."""
+    aux_ids = tuple(int(i) for i in aux_ids)
+
+    def feats(e):
+        tokens = np.zeros((1, max_len), np.int32)
+        positions = np.full((1, max_len), -1, np.int32)
+        tokens[0, : len(e.ids)], positions[0, : len(e.ids)] = e.ids, np.arange(len(e.ids))
+        aux, y = target_states(target.graphdef, target.state, tokens, positions, aux_ids)
+        return np.asarray(aux[0], np.float32), np.asarray(y[0], np.float32)
+
+    return feats
 
 
 def answer_starts(mask) -> np.ndarray:

@@ -105,6 +105,11 @@ def features(target_def, target_state, tokens, positions, aux_layer_ids):
     return jax.lax.stop_gradient(out.aux_hidden), jax.lax.stop_gradient(out.hidden)
 
 
+# `features` as one compiled program per shape with the target's state an argument (closing over
+# it would embed every weight in the program as a constant)
+target_states = jax.jit(features, static_argnums=(0, 4))
+
+
 def _teacher(y, head_w, softcap):
     """Teacher logits [B, L, Vd] of row t = the target at t + 1 (`fused_draft_loss` takes their
     log-softmax, once: a second one here cost ~1 s of a 4096-token step on CPU)."""

@@ -16,7 +16,8 @@ Stages, in order (docs/device.md):
    step traced under ``kernels.for_platform("cpu")`` (the XLA blockwise path, compiled for the
    same device), at 4096 / 16384 / 32768 tokens, then the Pallas step at doubling lengths
    until one fails: the longest that fits. Per length: compile seconds, median step ms,
-   tokens/s, the process's peak device memory so far (``memory_stats()["peak_bytes_in_use"]``:
+   tokens/s, the roofline estimate of the step and measured / estimated (a GPU or TPU with
+   published rates: `peagle_jax.plan.roofline`), the process's peak device memory so far (``memory_stats()["peak_bytes_in_use"]``:
    a running maximum, lengths run shortest first) and XLA's plan of the program's own
    buffers. First, the recipe's own step (256 tokens, the target inside) is timed: it sizes
    the next stage.

@@ -102,6 +102,8 @@ def time_step(trainer, vocab: int, length: int, variant: str, steps: int) -> dic
     import numpy as np
 
     import kernels
+    from kernels.limits import device_name
+    from peagle_jax.plan.devices import rates
     from train.step import batch_arrays
 
     st, h = trainer.stepper, trainer.drafter.config.hidden_size
@@ -114,7 +116,8 @@ def time_step(trainer, vocab: int, length: int, variant: str, steps: int) -> dic
     t0 = time.perf_counter()
     with kernels.for_platform("cpu") if variant == "xla" else contextlib.nullcontext():
         row["backend"] = kernels.resolve_backend()
-        compiled = st.compile_cached(trainer.params, trainer.opt_state, trainer.frozen, aux, y, batch)
+        traced = st.trace_cached(trainer.params, trainer.opt_state, trainer.frozen, aux, y, batch)
+        compiled = traced.lower().compile()
     row["compile_s"] = round(time.perf_counter() - t0, 2)
     text = compiled.as_text() or ""
     row["pallas_in_program"] = "__gpu$xla.gpu.triton" in text or "tpu_custom_call" in text
@@ -132,7 +135,27 @@ def time_step(trainer, vocab: int, length: int, variant: str, steps: int) -> dic
     step_s = statistics.median(times)
     row.update(status="ok", step_ms=round(1e3 * step_s, 2), tokens_per_second=round(length / step_s))
     row["peak_bytes_in_use"] = _peak_bytes()
+    est = step_estimate(traced, compiled, rates(device_name(jax.devices()[0])))
+    if est is not None:  # the roofline estimate of `python -m peagle_jax.plan`, calibrated by the measurement
+        row.update(
+            estimate_ms=round(1e3 * est.seconds, 3), bound=est.bound, measured_over_estimate=step_s / est.seconds
+        )
     return row
+
+
+def step_estimate(traced, compiled, device):
+    """The roofline estimate of a compiled one-device step on `device` (`peagle_jax.plan.devices.rates`;
+    None, as for the CPU, which has no published rates: no estimate)."""
+    from peagle_jax.plan.roofline import estimate, gathered_bytes, jaxpr_flops
+
+    plan = compiled.memory_analysis()
+    if device is None or plan is None:
+        return None
+    sizes = dict(
+        argument_bytes=plan.argument_size_in_bytes, output_bytes=plan.output_size_in_bytes,
+        alias_bytes=plan.alias_size_in_bytes, gathered_bytes=gathered_bytes(traced.jaxpr, compiled),
+    )  # fmt: skip
+    return estimate(jaxpr_flops(traced.jaxpr), 1, device=device, **sizes)
 
 
 def recipe_step(trainer, vocab: int, length: int, steps: int) -> dict:

@@ -60,7 +60,11 @@ CASES = [
     # the TPU compiler takes ~15 min a full-size step on 2 cores: points near the edge, no search
     train("v5p-8", "--tokens", "65536"),
     train("v5p-8", "--tokens", "131072", tag="131k"),
+    train("h100", "--search", "--train-flag=--loop.segments=1", tag="flat"),  # one segment: no partitioning
     *(serve("GPT-OSS-120B", d, b, c) for c in (8192, 32768) for b in (1, 16, 64) for d in ("h100x8", "v5p-8")),
+    # the roofline estimate's cases: one step at the default length, the round against the decode step
+    train("h100", "--tokens", "4096", tag="4k"),
+    *(serve("Llama-3.1-8B", d, b, 8192) for b in (1, 16, 64) for d in ("h100", "v5p-8")),
 ]
 
 
@@ -80,6 +84,12 @@ def run_case(case: Case, out: Path, python: str) -> None:
     print(f"{case.name}: {len(result['programs'])} programs, {result['wall_s']:.0f} s", flush=True)
 
 
+def program_label(result: dict, p: dict) -> str:
+    """The program's name, and "one segment" for a train case that turns sequence partitioning off."""
+    flat = "--train-flag=--loop.segments=1" in result.get("case", {}).get("flags", [])
+    return p["name"].split(" ")[0] + (", one segment" if flat else "")
+
+
 def gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
@@ -93,7 +103,7 @@ def rows_of(result: dict) -> list[list]:
         cache = "-" if result["job"] == "train" else f"{p['cache_len']:,}"
         verdict = "fits" if p["fits"] else ("does not fit" if p["compiled"] else "refused")
         rows.append([
-            f"{result['name']} x{result['layers']}", dev["name"], p["name"].split(" ")[0], size, cache,
+            f"{result['name']} x{result['layers']}", dev["name"], program_label(result, p), size, cache,
             gib(p["argument_bytes"]), gib(p["temp_bytes"]), gib(p["peak_bytes"]),
             f"{dev['memory_bytes'] / GiB:.1f}", gib(p["headroom_bytes"]), verdict, f"{p['compile_seconds']:.0f}",
         ])  # fmt: skip
@@ -105,7 +115,8 @@ def longest(results: list[dict]) -> list[str]:
     cases: dict[str, list[dict]] = {}
     for r in results:
         if r["job"] == "train":
-            cases.setdefault(f"{r['name']} x{r['layers']} on {r['device']['name']}", []).append(r)
+            label = program_label(r, r["programs"][0]).split("/")[1]
+            cases.setdefault(f"{r['name']} x{r['layers']} {label} on {r['device']['name']}", []).append(r)
     notes = []
     for where, rs in cases.items():
         ok = [p["tokens"] for r in rs for p in r["programs"] if p["fits"]]
@@ -122,25 +133,36 @@ def first_sizes(result: dict) -> tuple[int, int]:
     return p.get("cache_len", 0), p["batch"]
 
 
-def publish(out: Path) -> Path:
-    results = [json.loads(p.read_text()) | {"name": p.stem.split("_")[0]} for p in sorted(out.glob("*.json"))]
-    results.sort(key=lambda r: (r["job"] != "train", r["name"], r["device"]["name"], first_sizes(r)))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+def estimate_rows(result: dict) -> list[list]:
+    """One row per program of a case that carries the roofline estimate (`peagle_jax.plan.roofline`)."""
+    dev, rows = result["device"], []
+    costs = result.get("round_cost_in_decode_steps", {})
+    for p in result["programs"]:
+        e = p.get("estimate")
+        if not e:
+            continue
+        if result["job"] == "train":
+            size, rate = f"{p['tokens']:,} tokens", f"{e['tokens_per_second_per_device']:,.0f} tokens/s"
+        else:
+            size, cost = f"batch {p['batch']}, cache {p['cache_len']:,}", costs.get(p["name"])
+            rate = f"{cost:.2f} decode steps" if cost else "1 decode step"
+        rows.append([
+            f"{result['name']} x{result['layers']}", dev["name"], program_label(result, p), size,
+            f"{e['flops'] / 1e12:.3g}", f"{e['bytes'] / GiB:.3g}", f"{1e3 * e['compute_seconds']:.3g}",
+            f"{1e3 * e['memory_seconds']:.3g}", f"{1e3 * e['estimate_seconds']:.3g}", e["bound"], rate,
+        ])  # fmt: skip
+    return rows
+
+
+def header(title: str, order: int, setup: str) -> dict:
+    """The fields every published result of this sweep shares (commands, hardware, commit)."""
     import jax
 
-    data = {
-        "title": "Memory plans on H100 and TPU slices, from the devices' compilers",
-        "order": 75,
-        "setup": (
-            "XLA's plan of each program's buffers per device (arguments: weights, optimizer state, batch or KV "
-            "cache; temporaries; peak = arguments + temporaries + outputs not aliased to a donated argument), "
-            "from the GPU compiler (XLA + Triton + ptxas for sm_90) and the TPU compiler (XLA + Mosaic) run "
-            "without a device on abstract weights at the targets' full layer counts. Train: the default "
-            "P-EAGLE head (1 layer, K 8, draft vocabulary 16384, f32 master weights, bf16 compute, AdamW), one "
-            "sequence per device, sequence partitioning auto; weights and sequences sharded over fsdp (every "
-            "device). Serve: the P-EAGLE round at K = 7 and the plain decode step, bf16, heads split over "
-            "tensor within a host. 'fits' = peak within 90% of the device's memory."
-        ),
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return {
+        "title": title,
+        "order": order,
+        "setup": setup,
         "command": [
             "make compile-venv",
             ".venv-compile/bin/python bench/memory_plan.py           # every case (resumable)",
@@ -151,6 +173,53 @@ def publish(out: Path) -> Path:
         "commit": commit.stdout.strip(),
         "date": datetime.date.today().isoformat(),
         "design": "docs/device.md",
+    }
+
+
+def publish_estimates(results: list[dict]) -> Path:
+    data = header(
+        "Roofline estimates on H100 and TPU slices (estimates, not measurements)",
+        76,
+        "The roofline estimate `python -m peagle_jax.plan` prints for each compiled program, per device: "
+        "max(FLOPs / peak bf16 FLOP rate, bytes / HBM bandwidth). FLOPs: the program's jaxpr (every matrix "
+        "product, the Pallas kernels' analytic counts, scans times their length) over the devices. Bytes: XLA's "
+        "plan, every argument read once but the tables only gathered from (embeddings), every output not "
+        "aliased written once. Peak rates: H100 / H200 SXM 989 TFLOP/s, 3.35 / 4.8 TB/s; v5e 197 TFLOP/s, "
+        "819 GB/s; v5p 459 TFLOP/s, 2.77 TB/s; v6e 918 TFLOP/s, 1.64 TB/s. A lower bound on the time, but "
+        "for the head's attention, counted as causal over its rows; the device playbook records measured / "
+        "estimated. Rate: train tokens/s per device at the estimate; serve: the round's time in plain decode "
+        "steps at the same batch and cache, so the speedup at acceptance length tau is about tau / that.",
+    )
+    data["columns"] = [
+        "target x layers", "device", "program", "size", "TFLOP / device", "GiB moved / device",
+        "compute ms", "memory ms", "estimate ms", "bound", "rate",
+    ]  # fmt: skip
+    data["rows"] = [row for r in results for row in estimate_rows(r)]
+    data["notes"] = ["Cases compiled without the estimate (the other rows of the memory plans) are not listed."]
+    dest = ROOT / "bench" / "results" / "roofline_estimate.json"
+    dest.write_text(json.dumps(data, indent=1) + "\n")
+    return dest
+
+
+def publish(out: Path) -> Path:
+    results = [json.loads(p.read_text()) | {"name": p.stem.split("_")[0]} for p in sorted(out.glob("*.json"))]
+    results.sort(key=lambda r: (r["job"] != "train", r["name"], r["device"]["name"], first_sizes(r)))
+    publish_estimates(results)
+    data = header(
+        "Memory plans on H100 and TPU slices, from the devices' compilers",
+        75,
+        (
+            "XLA's plan of each program's buffers per device (arguments: weights, optimizer state, batch or KV "
+            "cache; temporaries; peak = arguments + temporaries + outputs not aliased to a donated argument), "
+            "from the GPU compiler (XLA + Triton + ptxas for sm_90) and the TPU compiler (XLA + Mosaic) run "
+            "without a device on abstract weights at the targets' full layer counts. Train: the default "
+            "P-EAGLE head (1 layer, K 8, draft vocabulary 16384, f32 master weights, bf16 compute, AdamW), one "
+            "sequence per device, sequence partitioning auto; weights and sequences sharded over fsdp (every "
+            "device). Serve: the P-EAGLE round at K = 7 and the plain decode step, bf16, heads split over "
+            "tensor within a host. 'fits' = peak within 90% of the device's memory."
+        ),
+    )
+    data |= {
         "columns": [
             "target x layers",
             "device",

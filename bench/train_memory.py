@@ -86,7 +86,7 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here on: not the weights' loading transient
     t0 = time.perf_counter()
     # the trainer's cached-features step, compiled ahead so XLA's own plan can be read too
-    compiled = stepper.compile_cached(params, opt_state, frozen, aux, y, batch)
+    compiled = stepper.trace_cached(params, opt_state, frozen, aux, y, batch).lower().compile()
     compile_s = time.perf_counter() - t0
     plan = compiled.memory_analysis()
     rec = {

@@ -197,7 +197,7 @@ def build(
 
     def our_hlo() -> str:  # the compiled step's HLO text (a second compile: --profile only)
         t = trainer
-        return t.stepper.compile_cached(t.params, t.opt_state, t.frozen, *feats, batch).as_text()
+        return t.stepper.trace_cached(t.params, t.opt_state, t.frozen, *feats, batch).lower().compile().as_text()
 
     info = {
         "length": length,

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from . import _common as C
+from .cost import attention_cost
 
 __all__ = ["attention", "fit_block", "num_splits_for", "DEFAULT_BLOCK"]
 
@@ -185,6 +186,7 @@ def attention(
         compiler_params=_params(dp, interpret),
         interpret=interpret,
         name="peagle_decode_attention",
+        cost_estimate=attention_cost("fwd", b, t, hq, s, hkv, dp, q.dtype.itemsize, window),
     )(pos, qg, k, v)
 
     # merge the splits (flash-decoding's second pass), sinks in the denominator

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _common as C
+from .cost import attention_cost
 
 __all__ = ["attention", "fit_block", "row_blocks", "DEFAULT_BLOCK", "LANES"]
 
@@ -227,6 +228,7 @@ def attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=_interpret(interpret),
         name="peagle_decode_attention",
+        cost_estimate=attention_cost("fwd", b, t, hq, s, hkv, d, q.dtype.itemsize, window),
     )(bounds, pos, sink_in, qg, k, v)
     out = jnp.transpose(out[:, :, : t * g].reshape(b, hkv, t, g, d), (0, 2, 1, 3, 4)).reshape(b, t, hq, d)
     return jnp.where((q_pos >= 0)[:, :, None, None], out, 0).astype(q.dtype)

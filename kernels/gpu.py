@@ -24,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from . import _common as C
 from . import limits
+from .cost import attention_cost
 from .schedule import flat_ids
 
 __all__ = ["op", "fit_blocks", "smem_bytes", "attention_fwd", "attention_bwd"]
@@ -178,6 +179,7 @@ def attention_fwd(cfg: C.KernelConfig, q, k, v, sinks, meta, sched):
         compiler_params=_params(D, cfg.interpret),
         interpret=cfg.interpret,
         name="peagle_attention_fwd",
+        cost_estimate=attention_cost("fwd", B, Tq, Hq, Tk, Hkv, D, q.dtype.itemsize, cfg.window),
     )(ids, info, *meta, sinks_in, q, k, v)
     return out[..., :D0], lse
 
@@ -341,6 +343,7 @@ def attention_bwd(cfg: C.KernelConfig, q, k, v, sinks, meta, sched, do, lse, del
         compiler_params=params,
         interpret=cfg.interpret,
         name="peagle_attention_dq",
+        cost_estimate=attention_cost("dq", B, Tq, Hq, Tk, Hkv, D, q.dtype.itemsize, cfg.window),
     )(ids, info, *meta, q, k, v, do, lse, delta)
 
     # dK, dV: grid (KV block, batch, KV head); G query heads per program
@@ -374,6 +377,7 @@ def attention_bwd(cfg: C.KernelConfig, q, k, v, sinks, meta, sched, do, lse, del
         compiler_params=params,
         interpret=cfg.interpret,
         name="peagle_attention_dkv",
+        cost_estimate=attention_cost("dkv", B, Tq, Hq, Tk, Hkv, D, q.dtype.itemsize, cfg.window),
     )(ids_t, info_t, *meta, q, k, v, do, lse, delta)
     return dq[..., :D0], dk[..., :D0], dv[..., :D0]
 

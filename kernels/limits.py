@@ -16,7 +16,7 @@ import dataclasses
 
 import jax
 
-__all__ = ["Limits", "GPU_SMEM_BY_CC", "TPU_VMEM", "GPU_NAMES", "on_device", "current", "resolve"]
+__all__ = ["Limits", "GPU_SMEM_BY_CC", "TPU_VMEM", "GPU_NAMES", "on_device", "current", "resolve", "device_name"]
 
 MiB = 1 << 20
 
@@ -91,6 +91,14 @@ def _local(platform: str) -> Limits | None:
         kind = _TPU_KINDS.get(dev.device_kind)
         return resolve(kind) if kind else None
     return None
+
+
+def device_name(device) -> str | None:
+    """The name ("h100", "v5e", ...) of a jax device, when it is one of the devices named here."""
+    if device.platform == "tpu":
+        return _TPU_KINDS.get(device.device_kind)
+    kind = device.device_kind.lower()
+    return next((n for n in sorted(GPU_NAMES, key=len, reverse=True) if n in kind), None)
 
 
 def current(platform: str) -> Limits:

@@ -31,6 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import _common as C
 from . import limits
+from .cost import attention_cost
 from .schedule import range_offsets
 
 __all__ = ["op", "fit_blocks", "vmem_bytes", "attention_fwd", "attention_bwd", "LANES"]
@@ -270,6 +271,7 @@ def attention_fwd(cfg: C.KernelConfig, q, k, v, sinks, meta, sched):
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=_interpret(cfg),
         name="peagle_attention_fwd",
+        cost_estimate=attention_cost("fwd", B, Tq, Hq, Tk, Hkv, D, q.dtype.itemsize, cfg.window),
     )(packed, sinks_in, qcol, krow, qt, kt, vt)
     return jnp.swapaxes(out, 1, 2), lse[..., 0]
 
@@ -417,6 +419,7 @@ def attention_bwd(cfg: C.KernelConfig, q, k, v, sinks, meta, sched, do, lse, del
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="peagle_attention_dq",
+        cost_estimate=attention_cost("dq", B, Tq, Hq, Tk, Hkv, D, q.dtype.itemsize, cfg.window),
     )(
         packed,
         _meta_cols(meta[:3], Tq),
@@ -470,6 +473,7 @@ def attention_bwd(cfg: C.KernelConfig, q, k, v, sinks, meta, sched, do, lse, del
         ),
         interpret=interpret,
         name="peagle_attention_dkv",
+        cost_estimate=attention_cost("dkv", B, Tq, Hq, Tk, Hkv, D, q.dtype.itemsize, cfg.window),
     )(packed_t, _meta_rows(meta[:3], Tq), _meta_cols(meta[3:], Tk), qt, kt, vt, dot_, lse8, delta8)
     return jnp.swapaxes(dq, 1, 2), jnp.swapaxes(dk, 1, 2), jnp.swapaxes(dv, 1, 2)
 

@@ -240,3 +240,25 @@ def test_tpu_kernel_check_interpreted(tmp_path):
         assert r["status"] == "ok" and r["ms"] > 0, r
         if r["impl"] == "pallas_tpu":
             assert r["rel_err_vs_xla"] < 1e-4
+
+
+def test_the_train_step_stage_estimates_a_step_where_the_device_has_rates(monkeypatch):
+    """The roofline estimate each timed step records beside its measurement (measured / estimated
+    calibrates the model): a compiled step's jaxpr FLOPs and XLA's bytes on an H200's rates; none on
+    a device without published rates (the CPU)."""
+    import jax
+    import jax.numpy as jnp
+
+    from peagle_jax.plan.devices import rates
+
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    stages = _module("device_stages")
+    w, x = jnp.ones((256, 512)), jnp.ones((64, 256))
+    traced = jax.jit(lambda w, x: jnp.tanh(x @ w)).trace(w, x)
+    compiled = traced.lower().compile()
+    h200 = rates("h200")
+    est = stages.step_estimate(traced, compiled, h200)
+    assert est.flops == 2 * 64 * 256 * 512
+    assert est.bytes == 4 * (w.size + x.size + 64 * 512)  # both inputs read, the output written
+    assert est.seconds == max(est.flops / h200.peak_flops, est.bytes / h200.bandwidth)
+    assert stages.step_estimate(traced, compiled, None) is None

@@ -426,19 +426,24 @@ class TrainStep:
             return self._online(params, opt_state, frozen, self.head_w, self.target_state, batch)
         return self._cached(params, opt_state, frozen, self.head_w, feats[0], feats[1], batch)
 
-    def lower(self, params, opt_state, frozen, batch: dict, platform: str):
-        """The online step (the target inside) traced and lowered for `platform` ("cuda", "tpu",
-        "cpu") with that platform's kernels, on any machine: the program the accelerator would run.
-        A fresh function under a fresh jit, so no trace made for another platform is reused."""
-        batch = self.partition(batch)
+    def trace(self, params, opt_state, frozen, batch: dict, platform: str):
+        """The online step (the target inside) traced for `platform` ("cuda", "tpu", "cpu") with
+        that platform's kernels, on any machine: the program the accelerator would run. A fresh
+        function under a fresh jit, so no trace made for another platform is reused."""
         with kernels.for_platform(platform):
-            traced = self._jit_online().trace(params, opt_state, frozen, self.head_w, self.target_state, batch)
-            return traced.lower(lowering_platforms=(platform,))
+            return self._jit_online().trace(
+                params, opt_state, frozen, self.head_w, self.target_state, self.partition(batch)
+            )
 
-    def compile_cached(self, params, opt_state, frozen, aux, y, batch: dict):
-        """The cached-features step compiled ahead of time for these shapes (benchmarks read its
-        `memory_analysis()`, XLA's plan of the step's buffers)."""
-        return self._cached.lower(params, opt_state, frozen, self.head_w, aux, y, self.partition(batch)).compile()
+    def lower(self, params, opt_state, frozen, batch: dict, platform: str):
+        """`trace`, lowered for `platform`."""
+        with kernels.for_platform(platform):
+            return self.trace(params, opt_state, frozen, batch, platform).lower(lowering_platforms=(platform,))
+
+    def trace_cached(self, params, opt_state, frozen, aux, y, batch: dict):
+        """The cached-features step traced for these shapes (benchmarks compile it and read its
+        `memory_analysis()`, XLA's plan of the step's buffers, and its jaxpr's FLOPs)."""
+        return self._cached.trace(params, opt_state, frozen, self.head_w, aux, y, self.partition(batch))
 
     def evaluate(self, params, frozen, batch: dict):
         batch = self.partition(batch)

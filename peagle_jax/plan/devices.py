@@ -16,7 +16,7 @@ import re
 
 from kernels.limits import GPU_NAMES, GPU_SMEM_BY_CC
 
-__all__ = ["Device", "parse_device", "topology_devices", "GPUS", "TPUS", "deviceless_env"]
+__all__ = ["Device", "parse_device", "topology_devices", "GPUS", "TPUS", "deviceless_env", "rates"]
 
 GiB = 1 << 30
 
@@ -26,22 +26,23 @@ class Gpu:
     description: str
     memory_bytes: int
     bandwidth: float  # bytes / s
+    peak_flops: float  # dense bf16 FLOP / s (SXM)
     cores: int = 132
     l2_bytes: int = 50 * (1 << 20)
     clock_ghz: float = 1.98
 
 
 GPUS = {
-    "h100": Gpu("NVIDIA H100 80GB HBM3", 80 * GiB, 3.35e12),
-    "h200": Gpu("NVIDIA H200", 141 * 10**9, 4.8e12),
+    "h100": Gpu("NVIDIA H100 80GB HBM3", 80 * GiB, 3.35e12, 989.4e12),
+    "h200": Gpu("NVIDIA H200", 141 * 10**9, 4.8e12, 989.4e12),
 }
 # TPU generation -> (chips per host in multi-host slices, HBM per chip, cores per chip in the slice
 # name, bandwidth, the most chips of a one-host slice: Cloud TPU's v5e / v6e 8-chip machines
-# (ct5lp-hightpu-8t, ct6e-standard-8t) hold a 2x4 slice on one host)
+# (ct5lp-hightpu-8t, ct6e-standard-8t) hold a 2x4 slice on one host, dense bf16 FLOP / s per chip)
 TPUS = {
-    "v5e": (4, 16 * GiB, 1, 8.19e11, 8),
-    "v5p": (4, 95 * GiB, 2, 2.765e12, 4),
-    "v6e": (4, 32 * GiB, 1, 1.64e12, 8),
+    "v5e": (4, 16 * GiB, 1, 8.19e11, 8, 197e12),
+    "v5p": (4, 95 * GiB, 2, 2.765e12, 4, 459e12),
+    "v6e": (4, 32 * GiB, 1, 1.64e12, 8, 918e12),
 }
 
 
@@ -54,6 +55,7 @@ class Device:
     hosts: int
     memory_bytes: int  # per device
     bandwidth: float  # HBM bytes / s per device
+    peak_flops: float  # dense bf16 FLOP / s per device
     topology: str  # get_topology_desc's topology name
     host_bounds: tuple[int, ...] | None = None  # libtpu's chips_per_host_bounds (None: its default, 2x2x1)
 
@@ -70,22 +72,34 @@ def parse_device(name: str) -> Device:
         per_host, hosts = int(m.group(2) or 1), int(m.group(3) or 1)
         gpu = GPUS[m.group(1)]
         topo = f"{hosts}x1x{per_host}"
-        return Device(name, "cuda", m.group(1), per_host * hosts, hosts, gpu.memory_bytes, gpu.bandwidth, topo)
+        return Device(
+            name, "cuda", m.group(1), per_host * hosts, hosts, gpu.memory_bytes, gpu.bandwidth, gpu.peak_flops, topo
+        )
     m = re.fullmatch(r"(v5e|v5p|v6e)-(\d+)", key)
     if m:
         gen, cores = m.group(1), int(m.group(2))
-        per_host, hbm, per_chip, bw, one_host = TPUS[gen]
+        per_host, hbm, per_chip, bw, one_host, peak = TPUS[gen]
         chips = cores // per_chip
         if chips < 4 or chips & (chips - 1) or cores % per_chip:
             raise ValueError(f"{name}: a {gen} slice of {cores} cores is not a power-of-two count of >= 4 chips")
         topo = _tpu_topology(gen, chips)
         if per_host < chips <= one_host:  # a one-host v5e / v6e 2D grid (libtpu's default bound is 2x2 a host)
             bounds = (*map(int, topo.split(":")[1].split("x")), 1)
-            return Device(name, "tpu", gen, chips, 1, hbm, bw, topo, bounds)
-        return Device(name, "tpu", gen, chips, max(1, chips // per_host), hbm, bw, topo)
+            return Device(name, "tpu", gen, chips, 1, hbm, bw, peak, topo, bounds)
+        return Device(name, "tpu", gen, chips, max(1, chips // per_host), hbm, bw, peak, topo)
     raise ValueError(
         f"unknown device {name!r}: expected h100, h200, h100x8, h200x8x2 (hosts), v5e-8, v5p-8, v6e-8, ..."
     )
+
+
+def rates(name: str | None) -> Device | None:
+    """One device of kind `name` ("h100", "v5e", ...: `kernels.limits.device_name`), for its
+    memory, bandwidth and peak FLOP rate; None for a kind without published rates."""
+    if name in GPUS:
+        return parse_device(name)
+    if name in TPUS:
+        return dataclasses.replace(parse_device(f"{name}-{4 * TPUS[name][2]}"), count=1, hosts=1)
+    return None
 
 
 def _tpu_topology(gen: str, chips: int) -> str:

@@ -3,7 +3,8 @@
 Weights are `jax.ShapeDtypeStruct`s (`nnx.eval_shape`: nothing allocated, nothing read) carrying
 the shardings the real run gives them (the `peagle_jax.sharding` rule table over a mesh of the
 topology's devices), so `jit(...).lower(...).compile()` runs the device's own compiler (XLA GPU with
-Triton and ptxas, or XLA TPU with Mosaic) on the real shapes. Jobs: the train step (the head's
+Triton and ptxas, or XLA TPU with Mosaic) on the real shapes; the trace's jaxpr gives the FLOPs
+of the roofline estimate (`peagle_jax.plan.roofline`). Jobs: the train step (the head's
 trainer step with the target inside it, as `python -m train` runs it) and serving (the speculative
 round of each mode, and the plain decode step: the engine's mode "none").
 """
@@ -25,13 +26,14 @@ from peagle_jax.drafter import Drafter, head_config
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
 from peagle_jax.models.drafter import abstract_drafter, flat_state, param_key
+from peagle_jax.plan.roofline import gathered_bytes, jaxpr_flops
 from peagle_jax.sharding import AXES, kernels_partitioned, state_shardings, tree_shardings
 from peagle_jax.target import Target
 from peagle_jax.weights import abstract_model
 
 __all__ = ["Program", "abstract_target", "abstract_head", "train_step", "serve_round", "compile_program", "mesh_of"]
 
-KERNEL_NAME = re.compile(r"peagle_[a-z_]+")
+KERNEL_NAME = re.compile(r"peagle_(?:attention_[a-z]+|decode_attention)")  # the kernels' names, not paths
 
 
 @dataclasses.dataclass
@@ -47,7 +49,8 @@ class Program:
     alias_bytes: int = 0
     compile_seconds: float = 0.0
     kernels: tuple[str, ...] = ()
-    flops: float | None = None
+    flops: float | None = None  # the jaxpr's, global (`roofline.jaxpr_flops`)
+    gathered_bytes: int = 0  # per device: the arguments only gathered from (`roofline.gathered_inputs`)
 
     @property
     def peak_bytes(self) -> int:
@@ -88,11 +91,14 @@ def abstract_head(target: Target, mode: str, *, num_layers=1, draft_vocab=16384,
     return Drafter(config, graphdef, placed(state, state_shardings(state, target.mesh)))
 
 
-def compile_program(name: str, lower) -> Program:
-    """Compiles `lower()` (a jax Lowered): a Program with its byte counts, or the compiler's refusal."""
+def compile_program(name: str, trace) -> Program:
+    """Compiles `trace()` (a jax Traced): a Program with its byte counts and FLOPs, or the
+    compiler's refusal."""
     t0 = time.perf_counter()
     try:
-        lowered = lower()
+        traced = trace()
+        flops = jaxpr_flops(traced.jaxpr)
+        lowered = traced.lower()
         text = lowered.as_text()
         compiled = lowered.compile()
     except Exception as err:  # the compiler's refusal (RESOURCE_EXHAUSTED, ...) is the result
@@ -101,8 +107,6 @@ def compile_program(name: str, lower) -> Program:
             name, False, error=f"{type(err).__name__}: {msg[:400]}", compile_seconds=time.perf_counter() - t0
         )
     mem = compiled.memory_analysis()
-    cost = compiled.cost_analysis() or {}
-    cost = cost[0] if isinstance(cost, list) else cost
     return Program(
         name,
         True,
@@ -112,7 +116,8 @@ def compile_program(name: str, lower) -> Program:
         alias_bytes=int(mem.alias_size_in_bytes),
         compile_seconds=time.perf_counter() - t0,
         kernels=tuple(sorted(set(KERNEL_NAME.findall(text)))),
-        flops=cost.get("flops"),
+        flops=flops,
+        gathered_bytes=gathered_bytes(traced.jaxpr, compiled),
     )
 
 
@@ -136,7 +141,7 @@ def synthetic_examples(batch: int, tokens: int, vocab: int):
 def train_step(
     target: Target, mode: str, *, tokens: int, batch: int = 1, compute_dtype="bfloat16", flags=(), segments="auto"
 ):
-    """The Lowered train step of `python -m train` on `target` (its mesh): one batch of `batch`
+    """The traced train step of `python -m train` on `target` (its mesh): one batch of `batch`
     sequences of `tokens` tokens. `flags`: more `python -m train` flags (the head's shape)."""
     from train.config import parse_args
     from train.trainer import head_flags
@@ -151,7 +156,7 @@ def train_step(
     stepper, state = _stepper(cfg, target, head)
     arrays = _batch_arrays(cfg, stepper, target, batch, tokens)
     with kernels_partitioned(target.mesh if target.mesh.size > 1 else None):
-        return stepper.lower(*state, arrays, platform_of(target.mesh))
+        return stepper.trace(*state, arrays, platform_of(target.mesh))
 
 
 def _stepper(cfg, target: Target, head: Drafter):
@@ -209,7 +214,7 @@ def _batch_arrays(cfg, stepper, target: Target, batch: int, tokens: int) -> dict
 
 
 def serve_round(target: Target, head: Drafter | None, mode: str, *, batch: int, k: int, cache_len: int):
-    """The Lowered speculative round of `mode` ("none": the plain decode step, one token a row)
+    """The traced speculative round of `mode` ("none": the plain decode step, one token a row)
     over caches of `cache_len` slots for `batch` rows, state as the engine's prefill leaves it."""
     cfg = sp.EngineConfig(k=k, mode=mode, aux_layer_ids=tuple(target.aux_layer_ids), mesh=_engine_mesh(target))
     if head is not None and head.config.aux_layer_ids is not None:
@@ -217,7 +222,7 @@ def serve_round(target: Target, head: Drafter | None, mode: str, *, batch: int, 
     ddef, dstate = (None, None) if mode == "none" else (head.graphdef, head.state)
     state = decode_state(cfg, target, head if mode != "none" else None, batch, cache_len)
     with kernels.for_platform(platform_of(target.mesh)):
-        return sp.jit_round.trace(cfg, target.graphdef, target.state, ddef, dstate, state).lower()
+        return sp.jit_round.trace(cfg, target.graphdef, target.state, ddef, dstate, state)
 
 
 def _engine_mesh(target: Target):

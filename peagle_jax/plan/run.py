@@ -14,8 +14,9 @@ from peagle_jax.plan.programs import (
     serve_round,
     train_step,
 )
+from peagle_jax.plan.roofline import Estimate, estimate
 
-__all__ = ["plan", "planned_ok", "job_programs", "line", "fits"]
+__all__ = ["plan", "planned_ok", "job_programs", "line", "fits", "program_estimate", "round_costs"]
 
 GiB = 1 << 30
 MODES = {"train": ("parallel", "chain", "dflash"), "serve": ("parallel", "chain", "dflash", "none")}
@@ -25,8 +26,20 @@ def fits(p: Program, device: Device, headroom: float) -> bool:
     return p.compiled and p.peak_bytes <= headroom * device.memory_bytes
 
 
+def program_estimate(p: Program, device: Device) -> Estimate | None:
+    """The roofline estimate of a compiled program on `device` (None when refused)."""
+    if not p.compiled or p.flops is None:
+        return None
+    sizes = dict(
+        argument_bytes=p.argument_bytes, output_bytes=p.output_bytes, alias_bytes=p.alias_bytes,
+        gathered_bytes=p.gathered_bytes,
+    )  # fmt: skip
+    return estimate(p.flops, device.count, device=device, **sizes)
+
+
 def line(p: Program, device: Device, headroom: float) -> str:
-    """One line: the verdict, bytes per device against its memory, kernels, compile time."""
+    """One line: the verdict, bytes per device against its memory, kernels, the roofline
+    estimate, compile time."""
     if not p.compiled:
         return f"REFUSED  {p.name}: {p.error}  ({p.compile_seconds:.1f} s)"
     mem = device.memory_bytes
@@ -35,34 +48,42 @@ def line(p: Program, device: Device, headroom: float) -> str:
         f"compiled {p.name}: {verdict}; per device args {p.argument_bytes / GiB:.2f} + temp {p.temp_bytes / GiB:.2f}"
         f" + out {p.output_bytes / GiB:.2f} - aliased {p.alias_bytes / GiB:.2f} = {p.peak_bytes / GiB:.2f} GiB"
         f" of {mem / GiB:.1f} GiB (headroom {(mem - p.peak_bytes) / GiB:.2f} GiB);"
-        f" kernels: {', '.join(p.kernels) or 'none'}; {p.compile_seconds:.1f} s"
+        f" kernels: {', '.join(p.kernels) or 'none'}; {_estimate_text(program_estimate(p, device))};"
+        f" {p.compile_seconds:.1f} s"
+    )
+
+
+def _estimate_text(e: Estimate) -> str:
+    return (
+        f"estimate (roofline) >= {1e3 * e.seconds:.3g} ms, {e.bound}-bound"
+        f" ({e.flops / 1e12:.3g} TFLOP, {e.bytes / GiB:.3g} GiB moved per device)"
     )
 
 
 def job_programs(job: str, modes, target, *, tokens: int, batch: int, k: int, cache_len: int, flags=()):
-    """(name, lower) of each program of the job: train steps, or serving rounds and the decode step."""
+    """(name, trace) of each program of the job: train steps, or serving rounds and the decode step."""
     out = []
     for mode in modes:
         if job == "train":
-            lower = _train_lower(target, mode, tokens, batch, flags)
-            out.append((f"train/{mode} tokens={tokens} batch={batch}", lower))
+            trace = _train_trace(target, mode, tokens, batch, flags)
+            out.append((f"train/{mode} tokens={tokens} batch={batch}", trace))
         else:
-            lower = _serve_lower(target, mode, batch, k, cache_len)
+            trace = _serve_trace(target, mode, batch, k, cache_len)
             name = "decode step" if mode == "none" else f"round/{mode} k={k}"
-            out.append((f"serve/{name} batch={batch} cache={cache_len}", lower))
+            out.append((f"serve/{name} batch={batch} cache={cache_len}", trace))
     return out
 
 
-def _train_lower(target, mode, tokens, batch, flags):
+def _train_trace(target, mode, tokens, batch, flags):
     return lambda: train_step(target, mode, tokens=tokens, batch=batch, flags=flags)
 
 
-def _serve_lower(target, mode, batch, k, cache_len):
-    def lower():
+def _serve_trace(target, mode, batch, k, cache_len):
+    def trace():
         head = None if mode == "none" else abstract_head(target, mode, k=8, dtype=target.dtype.name)
         return serve_round(target, head, mode, batch=batch, k=k, cache_len=cache_len)
 
-    return lower
+    return trace
 
 
 def plan(args, device: Device, tcfg) -> dict:
@@ -84,11 +105,11 @@ def plan(args, device: Device, tcfg) -> dict:
             best = None
             for size in sizes:
                 tokens, b = (size or args.tokens, batch) if args.job == "train" else (args.tokens, size or batch)
-                (name, lower), = job_programs(
+                (name, trace), = job_programs(
                     args.job, [mode], target, tokens=tokens, batch=b, k=args.k, cache_len=args.cache_len,
                     flags=args.train_flag,
                 )  # fmt: skip
-                p = compile_program(name, lower)
+                p = compile_program(name, trace)
                 print(line(p, device, args.headroom), flush=True)
                 results.append(_record(p, device, args.headroom, tokens=tokens, batch=b, cache_len=args.cache_len))
                 if not fits(p, device, args.headroom):
@@ -97,8 +118,12 @@ def plan(args, device: Device, tcfg) -> dict:
             if args.search:
                 largest[mode] = best
                 print(f"largest that fits, {mode}: {best or 'none'} {'tokens' if args.job == 'train' else 'rows'}")
+    costs = round_costs(results)
+    for name, cost in costs.items():
+        print(f"estimate (roofline): {name} costs {cost:.2f} decode steps: speedup ~ acceptance length / {cost:.2f}")
     return {"device": dataclasses.asdict(device), "target": tcfg.model_type, "layers": tcfg.num_layers,
-            "job": args.job, "programs": results, "largest": largest}  # fmt: skip
+            "job": args.job, "programs": results, "largest": largest,
+            "round_cost_in_decode_steps": costs}  # fmt: skip
 
 
 def planned_ok(result: dict) -> bool:
@@ -117,4 +142,21 @@ def _record(p: Program, device: Device, headroom: float, **sizes) -> dict:
     rec = dataclasses.asdict(p) | sizes
     rec.update(peak_bytes=p.peak_bytes, device_memory_bytes=device.memory_bytes, fits=fits(p, device, headroom))
     rec["headroom_bytes"] = device.memory_bytes - p.peak_bytes if p.compiled else None
+    est = program_estimate(p, device)
+    rec["estimate"] = None if est is None else est.as_dict()
+    if est is not None and p.name.startswith("train/"):
+        rec["estimate"]["tokens_per_second_per_device"] = sizes["tokens"] * sizes["batch"] / est.seconds / device.count
     return rec
+
+
+def round_costs(records: list[dict]) -> dict[str, float]:
+    """Each speculative round's estimated time in plain decode steps (the decode step compiled at
+    the same batch and cache): a round that emits tau tokens on average is about tau / cost times
+    as fast as plain decoding."""
+    step = {(r["batch"], r["cache_len"]): r["estimate"] for r in records if "decode step" in r["name"]}
+    costs = {}
+    for r in records:
+        base = step.get((r["batch"], r["cache_len"]))
+        if "/round/" in r["name"] and r["estimate"] and base:
+            costs[r["name"]] = r["estimate"]["estimate_seconds"] / base["estimate_seconds"]
+    return costs

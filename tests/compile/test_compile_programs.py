@@ -7,6 +7,8 @@ bytes than the device holds."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kernels.limits import on_device
@@ -33,13 +35,22 @@ def targets(topologies):
     }
 
 
+PROGRAMS = {}  # (platform, job, mode) -> Program: each compiled once in this module
+
+
 def compiled(targets, platform: str, job: str, mode: str):
+    if (platform, job, mode) not in PROGRAMS:
+        PROGRAMS[platform, job, mode] = compile_once(targets, platform, job, mode)
+    return PROGRAMS[platform, job, mode]
+
+
+def compile_once(targets, platform: str, job: str, mode: str):
     device = DEVICE[platform]
     target = targets[platform, job]
     flags = TRAIN_FLAGS[mode] if job == "train" else []
-    ((name, lower),) = job_programs(job, [mode], target, tokens=TOKENS, batch=1, k=7, cache_len=CACHE, flags=flags)
+    ((name, trace),) = job_programs(job, [mode], target, tokens=TOKENS, batch=1, k=7, cache_len=CACHE, flags=flags)
     with on_device(device.kind):
-        program = compile_program(name, lower)
+        program = compile_program(name, trace)
     assert program.compiled, program.error
     assert program.argument_bytes > 0 and program.output_bytes > 0
     assert 0 < program.peak_bytes < device.memory_bytes
@@ -62,3 +73,25 @@ def test_serving_round_and_decode_step_compile_on_a_v5e(targets, mode):
 @pytest.mark.parametrize("mode", ["parallel", "none"])  # the other rounds differ in the head only
 def test_round_and_decode_step_compile_on_an_h100(targets, mode):
     compiled(targets, "cuda", "serve", mode)
+
+
+def test_the_decode_steps_estimate_counts_every_product_and_reads_no_embedding(targets):
+    """The roofline estimate of the plain decode step (batch 1, a full cache): its FLOPs are the
+    hand count of Llama's products and the decode kernel's pairs; its bytes leave out the untied
+    embedding table (rows gathered, never read whole); a P-EAGLE round costs more than one step."""
+    from kernels.cost import causal_pairs
+    from peagle_jax.plan.run import program_estimate
+
+    c = targets["tpu", "serve"].config
+    h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = 2 * h * (q + 2 * kv) + 2 * q * h + 3 * 2 * h * c.intermediate_size
+    attention = 4 * c.num_heads * c.head_dim * causal_pairs(1, CACHE)
+    step = compiled(targets, "tpu", "serve", "none")
+    assert step.flops == c.num_layers * (layer + attention) + 2 * h * c.vocab_size
+    assert step.gathered_bytes == c.vocab_size * h * 2  # the bf16 embedding, on one device
+    one = dataclasses.replace(DEVICE["tpu"], count=1)
+    est = program_estimate(step, one)
+    moved = step.argument_bytes - step.gathered_bytes + step.output_bytes - step.alias_bytes
+    assert est.bound == "memory" and est.bytes == moved
+    round_ = program_estimate(compiled(targets, "tpu", "serve", "parallel"), one)
+    assert round_.seconds > est.seconds and round_.flops > 8 * est.flops  # 8 rows verified a round

@@ -34,6 +34,10 @@ def test_a_config_only_folder_compiles_and_fits(tmp_path):
     assert program["headroom_bytes"] == program["device_memory_bytes"] - program["peak_bytes"]
     assert "compiled serve/decode step" in done.stdout
     assert "v5e-8: 8 x v5e, 16.0 GiB each;" in done.stdout  # one host, as Cloud TPU's v5e-8 machine
+    est = program["estimate"]  # a decode step at batch 1 reads its weights: memory-bound
+    assert est["bound"] == "memory" and est["flops"] == program["flops"] / 8
+    assert est["estimate_seconds"] == est["bytes"] / 8.19e11
+    assert "estimate (roofline) >= " in done.stdout and "memory-bound" in done.stdout
 
 
 @pytest.mark.parametrize("name, hosts", [("v5e-8", 1), ("v6e-8", 1), ("v5e-16", 4), ("v5p-8", 1), ("v5p-16", 2)])

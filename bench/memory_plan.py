@@ -46,8 +46,8 @@ class Case:
         return [*head, *self.flags, "--json", str(out)]
 
 
-def train(device: str, *flags: str, tag: str = "") -> Case:
-    return Case("Llama-3.1-8B", device, "train", ("--modes", "parallel", *flags), tag)
+def train(device: str, *flags: str, tag: str = "", target: str = "Llama-3.1-8B") -> Case:
+    return Case(target, device, "train", ("--modes", "parallel", *flags), tag)
 
 
 def serve(target: str, device: str, batch: int, cache: int) -> Case:
@@ -63,7 +63,7 @@ CASES = [
     train("h100", "--search", "--train-flag=--loop.segments=1", tag="flat"),  # one segment: no partitioning
     *(serve("GPT-OSS-120B", d, b, c) for c in (8192, 32768) for b in (1, 16, 64) for d in ("h100x8", "v5p-8")),
     # the roofline estimate's cases: one step at the default length, the round against the decode step
-    train("h100", "--tokens", "4096", tag="4k"),
+    *(train("h100", "--tokens", "4096", tag="4k", target=t) for t in ("Llama-3.1-8B", "Qwen3-8B", "GPT-OSS-20B")),
     *(serve("Llama-3.1-8B", d, b, 8192) for b in (1, 16, 64) for d in ("h100", "v5p-8")),
 ]
 
@@ -186,7 +186,8 @@ def publish_estimates(results: list[dict]) -> Path:
         "plan, every argument read once but the tables only gathered from (embeddings), every output not "
         "aliased written once. Peak rates: H100 / H200 SXM 989 TFLOP/s, 3.35 / 4.8 TB/s; v5e 197 TFLOP/s, "
         "819 GB/s; v5p 459 TFLOP/s, 2.77 TB/s; v6e 918 TFLOP/s, 1.64 TB/s. A lower bound on the time, but "
-        "for the head's attention, counted as causal over its rows; the device playbook records measured / "
+        "for the head's attention, counted as causal over its rows (a train step's FLOPs 1.5% high at 4,096 "
+        "tokens, 10% at 65,536: docs/device.md); the device playbook records measured / "
         "estimated. Rate: train tokens/s per device at the estimate; serve: the round's time in plain decode "
         "steps at the same batch and cache, so the speedup at acceptance length tau is about tau / that.",
     )
@@ -237,8 +238,12 @@ def publish(out: Path) -> Path:
         "rows": [row for r in results for row in rows_of(r)],
         "notes": [
             *longest(results),
-            "Not yet explained: on 8 H100s (fsdp, one sequence per GPU) the per-device temporaries at 65,536 tokens "
-            "(57.3 GiB) are 2.7x one H100's at the same length (21.5 GiB), and 2.2x a v5p-8 chip's (26.0 GiB).",
+            "The multi-device train rows (h100x8, v5e-8, v5p-8) were planned before two fixes and overstate the "
+            "temporaries: the plan compiled the step without the trainer's shardings, and the step let XLA run the "
+            "target over every sequence on every device (now kept to each device's rows: "
+            "`peagle_jax.models.decoder.rows_sharded`). On 8 H100s at 65,536 tokens they read 57.3 GiB a device, "
+            "2.7x one H100's 21.5 GiB; with both fixes a 3-layer Llama-3.1-8B at 16,384 tokens plans 8.43 GiB a "
+            "device on 8 H100s against 9.01 GiB on one (14.87 GiB before). Rerun those cases for current figures.",
             "What only a device can tell: speed, the compiled kernels' numerics, and memory outside XLA's plan "
             "(the runtime's reservations, fragmentation); see docs/device.md.",
         ],

@@ -33,6 +33,7 @@ from flax import nnx
 
 import kernels
 from peagle_jax.dtypes import numpy_dtype
+from peagle_jax.models.decoder import rows_sharded
 from peagle_jax.models.dflash import DFlashModel
 from peagle_jax.models.drafter import DrafterModel, cod_rows_states, flat_state, param_key
 from peagle_jax.sharding import kernels_partitioned, role_sharding, shard_state, tree_shardings
@@ -276,7 +277,8 @@ class TrainStep:
             if getattr(target, "mesh", None) is not mesh:
                 self.target_state = shard_state(target.state, mesh)
             sh = self._shardings(mesh, state)
-            self.head_w = jax.device_put(head_w, sh["head_w"])
+            placed = isinstance(head_w, jax.ShapeDtypeStruct)  # `peagle_jax.plan`'s abstract weights
+            self.head_w = head_w if placed else jax.device_put(head_w, sh["head_w"])
         softcap = target.config.final_logit_softcapping
         kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=chain_decay, softcap=softcap)
         kw.update(attention=attention, ce_weight=ce_weight)
@@ -309,7 +311,8 @@ class TrainStep:
             return params, opt_state, constrain(m, True)
 
         def online(params, opt_state, frozen, head_w, tstate, batch):
-            aux, y = features(target.graphdef, tstate, batch["tokens"], batch["positions"], aux_ids)
+            with rows_sharded(None if sh is None else sh["batch"]):
+                aux, y = features(target.graphdef, tstate, batch["tokens"], batch["positions"], aux_ids)
             return from_features(params, opt_state, frozen, head_w, aux, y, batch)
 
         def evaluate(params, frozen, head_w, tstate, batch):

@@ -8,6 +8,8 @@ A layer's feed-forward is a gated MLP or, where `cfg.mlp_types` says "moe", `mod
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import jax
@@ -82,6 +84,28 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
 
 
+_ROWS = contextvars.ContextVar("decoder_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows_sharded(sharding):
+    """Decoders traced inside keep their hidden states [B, T, H] split by `sharding` (the batch's
+    rows over the devices that hold them) from layer to layer. With the weights split over the same
+    devices (fsdp), XLA is otherwise free to gather every row's activations to each device instead
+    of each layer's weights: a step over 8 sequences on 8 GPUs then ran the target over all 8 on
+    every GPU. None: no constraint."""
+    token = _ROWS.set(sharding)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def keep_rows(x: jax.Array) -> jax.Array:
+    sharding = _ROWS.get()
+    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
+
+
 class Decoder(nnx.Module):
     def __init__(self, cfg: TargetConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
         self.config = cfg
@@ -127,7 +151,7 @@ class Decoder(nnx.Module):
         this call only. `logits_at` [B, n] picks the rows that get logits (saves the
         [T, V] product at prefill).
         """
-        x = self.embed(tokens)
+        x = keep_rows(self.embed(tokens))
         aux, new_cache = [], []
         # without a cache (training features, scoring): the blockwise kernels past DENSE_MAX_ROWS
         # tokens, so a long sequence's attention needs no [T, T] scores (quadratic memory)
@@ -136,6 +160,7 @@ class Decoder(nnx.Module):
             if i in aux_layer_ids:
                 aux.append((aux_layer_ids.index(i), x))
             x, kv = layer(x, positions, None if cache is None else cache[i], "auto" if long else "dense")
+            x = keep_rows(x)
             new_cache.append(kv)
         hidden = self.norm(x)
         aux_hidden = jnp.concatenate([a for _, a in sorted(aux, key=lambda p: p[0])], axis=-1) if aux else x[..., :0]

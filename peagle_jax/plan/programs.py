@@ -27,7 +27,7 @@ from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
 from peagle_jax.models.drafter import abstract_drafter, flat_state, param_key
 from peagle_jax.plan.roofline import gathered_bytes, jaxpr_flops
-from peagle_jax.sharding import AXES, kernels_partitioned, state_shardings, tree_shardings
+from peagle_jax.sharding import AXES, kernels_partitioned, role_sharding, state_shardings, tree_shardings
 from peagle_jax.target import Target
 from peagle_jax.weights import abstract_model
 
@@ -176,8 +176,9 @@ def _stepper(cfg, target: Target, head: Drafter):
     opt_state = jax.eval_shape(optimizer.init, params)
     state = tuple(placed(x, tree_shardings(x, mesh)) for x in (params, opt_state, frozen))
     vd, h = head.config.draft_vocab_size, target.config.hidden_size
-    head_w = jax.ShapeDtypeStruct((vd, h), jnp.dtype(mc.dtype), sharding=NamedSharding(mesh, P(("tensor", "fsdp"))))
-    return train_step(cfg, parts, optimizer, target, head_w, head.config.aux_layer_ids), state
+    head_w = jax.ShapeDtypeStruct((vd, h), jnp.dtype(mc.dtype), sharding=role_sharding(mesh, "vocab_rows", 2))
+    placement = dict(mesh=mesh, state=state) if mesh.size > 1 else {}  # as the Trainer places it
+    return train_step(cfg, parts, optimizer, target, head_w, head.config.aux_layer_ids, **placement), state
 
 
 def nnx_predicate(filter_):

@@ -1,0 +1,39 @@
+"""`python tests/programs/target_rows_on_mesh.py FOLDER`: the tiny preset's train step over 8
+sequences on 8 simulated CPU devices (fsdp: weights and rows over the same devices, as `python -m
+train` places them; XLA_FLAGS set by the caller), compiled; prints one JSON line: how many of the
+program's arrays have the target MLP's intermediate width over every sequence's tokens
+(`global_rows`) and over one device's (`device_rows`)."""
+
+import json
+import re
+import sys
+
+import numpy as np
+
+import peagle_jax as pj
+from peagle_jax.sharding import device_mesh
+from train.config import parse_args
+from train.data import Example
+from train.step import batch_arrays
+from train.trainer import Trainer
+
+TOKENS, SEQUENCES = 256, 8
+
+
+def main(folder: str) -> None:
+    target = pj.load_target(folder, dtype="float32")
+    cfg = parse_args(["--preset", "tiny", "--data.batch_size", str(SEQUENCES), "--data.max_len", str(TOKENS)])
+    counts = np.ones(target.config.vocab_size, np.int64)
+    t = Trainer(cfg, target, 10, token_counts=counts, mesh=device_mesh(1, SEQUENCES, 1))
+    rng = np.random.default_rng(0)
+    mask = np.arange(TOKENS) > 10
+    examples = [Example(rng.integers(5, 200, TOKENS).astype(np.int32), mask, i) for i in range(SEQUENCES)]
+    batch = t.stepper.place_batch(batch_arrays(t.cod_batch(examples, 0)))
+    text = t.stepper.lower(t.params, t.opt_state, t.frozen, batch, "cpu").compile().as_text()
+    width = target.config.intermediate_size
+    count = lambda rows: len(re.findall(rf"\[(?:1,)?{rows},{width}\]", text))  # noqa: E731
+    print(json.dumps({"global_rows": count(SEQUENCES * TOKENS), "device_rows": count(TOKENS)}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -458,3 +458,8 @@ def test_commands_name_no_machine_folder(monkeypatch, tmp_path):
     cmd = [sys.executable, "-m", "train", "--out", str(work / "runs" / "a b"), "--model.target"]
     cmd += [str(home / ".cache" / "gemma"), "--data.source", "/data/x.jsonl"]
     assert shown(cmd) == "python -m train --out 'runs/a b' --model.target ~/.cache/gemma --data.source /data/x.jsonl"
+    from infer.report.evaluate import stage_times
+
+    record = {"seconds": 1.0, "commands": [f"python -m infer bench --target {home}/.cache/gemma --drafter {work}/h"]}
+    times = stage_times(record, {}, [{**record, "dataset": "mtbench", "batch": 1}])
+    assert times["eval-mtbench-b1"]["commands"] == ["python -m infer bench --target ~/.cache/gemma --drafter h"]

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from infer.report.common import HEADS, PROMPT_SETS, dflash_block_size, log
-from infer.report.stages import Stages, eval_settings
+from infer.report.stages import Stages, eval_settings, shown
 
 # what each row of results.json keeps of a run of `infer.bench.compare`
 ROW_KEYS = (
@@ -162,16 +162,18 @@ def settings_of(args) -> dict:
 
 
 def stage_times(data: dict, trained: dict, evals: list[dict]) -> dict:
-    """Each stage's wall time, commands and load average, in the order they ran."""
+    """Each stage's wall time, commands (as `shown`: no machine's folders, also in records made
+    before the evaluations' commands went through it) and load average, in the order they ran."""
     stages = {
         "data": data,
         **{f"train-{m}": record for m, record in trained.items()},
         **{f"eval-{e['dataset']}-b{e['batch']}": e for e in evals},
     }
     return {
-        name: {"seconds": s["seconds"], "commands": s["commands"], "load_average": s.get("load_average")}
+        name: {"seconds": s["seconds"], "commands": [shown(shlex.split(c)) for c in s["commands"]],
+               "load_average": s.get("load_average")}
         for name, s in stages.items()
-    }
+    }  # fmt: skip
 
 
 def collect(args, data: dict, trained: dict, evals: list[dict], wall: float) -> dict:

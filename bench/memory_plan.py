@@ -238,12 +238,12 @@ def publish(out: Path) -> Path:
         "rows": [row for r in results for row in rows_of(r)],
         "notes": [
             *longest(results),
-            "The multi-device train rows (h100x8, v5e-8, v5p-8) were planned before two fixes and overstate the "
-            "temporaries: the plan compiled the step without the trainer's shardings, and the step let XLA run the "
-            "target over every sequence on every device (now kept to each device's rows: "
-            "`peagle_jax.models.decoder.rows_sharded`). On 8 H100s at 65,536 tokens they read 57.3 GiB a device, "
-            "2.7x one H100's 21.5 GiB; with both fixes a 3-layer Llama-3.1-8B at 16,384 tokens plans 8.43 GiB a "
-            "device on 8 H100s against 9.01 GiB on one (14.87 GiB before). Rerun those cases for current figures.",
+            "The v5e-8 and v5p-8 train rows were planned before two fixes and overstate the temporaries: the plan "
+            "compiled the step without the trainer's shardings, and the step let XLA run the target over every "
+            "sequence on every device (now kept to each device's rows: `peagle_jax.models.decoder.rows_sharded`). "
+            "The h100x8 rows are planned with both: at 65,536 tokens 20.17 GiB of temporaries a device, where the "
+            "earlier plan read 57.3 GiB (2.7x one H100's 21.5 GiB), and the longest sequence went from 65,536 to "
+            "262,144 tokens. Rerun the TPU cases for current figures.",
             "What only a device can tell: speed, the compiled kernels' numerics, and memory outside XLA's plan "
             "(the runtime's reservations, fragmentation); see docs/device.md.",
         ],

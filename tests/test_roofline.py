@@ -57,13 +57,16 @@ def test_a_custom_vjp_gradient_counts_its_backward_rule():
 
 
 def test_a_shard_map_body_counts_once_per_shard():
-    mesh = jax.make_mesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
-    x, w = jnp.ones((M, K)), jnp.ones((K, N))
-    body = jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P(), P()), out_specs=P())
+    """A body over 4 shards (an abstract mesh: no devices needed) sees a quarter of the rows; the
+    count is the whole product's."""
+    mesh = jax.sharding.AbstractMesh((4,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
+    x, w = jax.ShapeDtypeStruct((4 * M, K), jnp.float32), jax.ShapeDtypeStruct((K, N), jnp.float32)
+    body = jax.shard_map(lambda x, w: x @ w, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"))
     jaxpr = jax.make_jaxpr(body)(x, w)
     (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "shard_map"]
     assert eqn.params["newly_manual_axes"] == frozenset({"x"})
-    assert jaxpr_flops(jaxpr) == MATMUL  # one shard of one device: the body's own shapes
+    assert jaxpr_flops(eqn.params["jaxpr"]) == MATMUL  # one shard's product
+    assert jaxpr_flops(jaxpr) == 4 * MATMUL  # every shard's
 
 
 @pytest.mark.parametrize("tq,tk,window", [(64, 64, None), (64, 64, 16), (5, 70, None), (5, 70, 8), (1, 33, None)])

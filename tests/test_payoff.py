@@ -38,3 +38,12 @@ def test_payoff_extrapolates_the_log_linear_curve_to_break_even():
     assert math.log10(got["tokens_needed"]) == pytest.approx((2.3 - 0.8) / 0.1, rel=0.05)  # ~1e15 tokens
     flat = payoff(records(400, 250, 0.0), by_k)[1]
     assert flat["tokens_needed"] is None  # a curve that does not rise never pays off
+
+
+def test_advice_names_a_round_timed_cheaper_than_a_step(capsys):
+    from train.__main__ import print_advice
+
+    by_k = {3: {"acceptance_length": 1.2, "speedup": 2.4}}  # a round cost half a step: a disturbed clock
+    print_advice({"eval": {"by_k": by_k}, "best_k": 3, "payoff": payoff(records(40, 250, 0.1), by_k)})
+    out = capsys.readouterr().out
+    assert "from acceptance 0.50" in out and "timings are unreliable" in out and "this one does" not in out

@@ -81,8 +81,11 @@ def test_the_summary_advises_the_fastest_k(tiny_run, capsys):
     _, summary = tiny_run
     best = summary["best_k"]
     assert best in summary["eval"]["by_k"] and f'"num_speculative_tokens": {best}' in summary["serve"]
-    pay = summary["payoff"][best]
-    assert pay["break_even_acceptance"] > 1.0 and pay["tokens_seen"] == summary["train_tokens"]
+    pay, ev = summary["payoff"][best], summary["eval"]["by_k"][best]
+    # the break-even is the measured round cost in decode steps: its value is this machine's timing
+    # (a busy core can make a round look cheaper than a step), so only its derivation is checked
+    assert pay["break_even_acceptance"] == pytest.approx(ev["acceptance_length"] / ev["speedup"])
+    assert pay["tokens_seen"] == summary["train_tokens"]
     print_advice(summary)
     assert f"fastest K={best}" in capsys.readouterr().out
 

@@ -89,7 +89,9 @@ def print_advice(summary: dict) -> None:
     pay, speedup = summary["payoff"][best], by_k[best]["speedup"]
     need, tokens = pay["break_even_acceptance"], pay["tokens_needed"]
     line = f"a head pays off at K={best} from acceptance {need:.2f} (this machine's round cost): "
-    if speedup >= 1.0:
+    if need < 1.0:  # acceptance / speedup is a round's cost in plain steps: below one, the clock was disturbed
+        line += "a round timed cheaper than a plain step, so the timings are unreliable (a busy machine?)"
+    elif speedup >= 1.0:
         line += f"this one does ({speedup:.2f}x plain decoding)"
     elif tokens is None:
         line += "this run's learning curve does not rise enough to say when"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from in_process import run_module
 from limits import HANG_S
 
 from train.config import parse_args
@@ -110,15 +111,9 @@ def test_export_passes_inspect_and_imports_to_identical_drafts(tiny_run, tiny_ta
         assert a == b
 
 
-def _cli(out, target, *extra, kill_after: int | None = None):
-    program = (
-        ["-m", "train"]
-        if kill_after is None
-        else [str(ROOT / "tests" / "programs" / "train_killed.py"), str(kill_after)]
-    )
-    cmd = [
-        sys.executable,
-        *program,
+def _flags(out, target, *extra) -> list[str]:
+    """12 tiny steps, a checkpoint every 4, no evaluation."""
+    return [
         "--preset",
         "tiny",
         "--out",
@@ -139,8 +134,16 @@ def _cli(out, target, *extra, kill_after: int | None = None):
         "0",
         *extra,
     ]
+
+
+def _cli(out, target, *extra, kill_after: int | None = None):
+    program = (
+        ["-m", "train"]
+        if kill_after is None
+        else [str(ROOT / "tests" / "programs" / "train_killed.py"), str(kill_after)]
+    )
     return subprocess.run(
-        cmd,
+        [sys.executable, *program, *_flags(out, target, *extra)],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT)},  # the suite's compilation cache: the runs share the step
         capture_output=True,
@@ -152,7 +155,7 @@ def _cli(out, target, *extra, kill_after: int | None = None):
 def test_resume_after_sigkill_is_bit_identical(tmp_path, tiny_target):
     import peagle_jax as pj
 
-    whole = _cli(tmp_path / "a", tiny_target)
+    whole = run_module("train", _flags(tmp_path / "a", tiny_target))  # the uninterrupted run, in this process
     assert whole.returncode == 0, whole.stderr[-2000:]
     killed = _cli(tmp_path / "b", tiny_target, kill_after=7)
     assert killed.returncode == -9, killed.stderr[-2000:]

@@ -1,7 +1,7 @@
 """The held-out simulated acceptance (`train.evaluate.HeldoutSet`): its per-anchor statistic,
 its standard error, that an anchor's value is what the engine's first round accepts from that
 position on the target's own greedy text, and that the per-round walk is the engine's
-acceptance length answering the prompt."""
+acceptance length answering the prompt, for P-EAGLE, EAGLE-3 and DFlash heads."""
 
 from __future__ import annotations
 
@@ -110,6 +110,29 @@ def test_a_dflash_walk_is_the_engines_acceptance_too(tiny, overfit):
     res = dec.generate([example.ids[:PROMPT_LEN].tolist()], max_new_tokens=1 + round(tokens))
     assert (res.stats["rounds"], res.stats["acceptance_length"]) == (score["rounds"], pytest.approx(score["per_round"]))
     assert score["per_round"] > 1.0  # the head drafts some of it right
+
+
+def test_a_chain_walk_is_the_engines_acceptance_too(tiny, overfit):
+    """EAGLE-3 rows run as the training-time test does; an anchor's value is what the engine's
+    chain accepts from it, and the walk is the engine's rounds answering the prompt."""
+    example = overfit[0]
+    drafter = overfit_head(tiny, example, K, ["--model.mode", "chain"])
+    feats = padded_features(tiny, drafter.config.aux_layer_ids, 64)
+    chain = HeldoutSet(tiny, [example], feats, k=K, max_len=64, chain=True)
+    dec = SpeculativeDecoder(tiny, drafter, k=K, mode="chain", eos_ids=())
+    per_anchor = dict(zip(*chain.anchor_lengths(drafter, 0)))
+    ids = example.ids
+    firsts = [p for p in range(PROMPT_LEN + 1, len(ids) - K - 2, 3) if p - 1 in per_anchor]
+    for p in firsts:
+        res = dec.generate([ids[:p].tolist()], max_new_tokens=2)
+        assert res.stats["acceptance_length"] == per_anchor[p - 1], p
+    score = chain.acceptance(drafter)
+    assert len(firsts) >= 3 and score["rounds"] >= 3 and score["per_round"] > 1.0
+    tokens = score["per_round"] * score["rounds"]
+    res = dec.generate([ids[:PROMPT_LEN].tolist()], max_new_tokens=1 + round(tokens))
+    assert (res.stats["rounds"], res.stats["acceptance_length"]) == (score["rounds"], pytest.approx(score["per_round"]))
+    with pytest.raises(ValueError, match="cannot score a parallel head"):
+        chain.acceptance(overfit[1])
 
 
 def test_walk_rounds_steps_over_what_a_round_accepts():

@@ -27,7 +27,7 @@ from train import cod
 from train.blocks import BlockBatch
 from train.loss import next_rows, take_rows, teacher_logits, top_index
 from train.metrics import anchor_acceptance, clustered_mean
-from train.step import target_states
+from train.step import chain_steps, target_states
 
 __all__ = ["measure", "HeldoutSet", "heldout_rounds", "padded_features", "walk_rounds", "answer_starts"]
 
@@ -81,6 +81,11 @@ class HeldoutSet:
     what the engine would accept from those positions. `features(example) -> (aux [L, 3H],
     y [L, H])` as the trainer computes them; the target's greedy tokens are computed once.
 
+    EAGLE-3 heads (`chain=True`): every anchor's rows of steps 0..k-1 (`train.cod.chain_rows`)
+    run as the training-time test does, step j over the keys and states of steps before it; a
+    row's draft is the engine's chain draft from its anchor as long as the earlier ones were
+    right, which is all an acceptance length reads.
+
     DFlash heads (`block_size` given; aux: the head's own context layers): every anchor a whose
     tokens a+1..a+k are supervised drafts its block in one pass, slot j right when it is the
     target's greedy token after position a + j - 1 (k at most block_size - 1). The anchors leave
@@ -93,8 +98,8 @@ class HeldoutSet:
     walk: long accepts are stepped over, and the mean over every anchor overstates it. On the
     target's own greedy answers the walk is exactly the engine's rounds (a test checks it)."""
 
-    def __init__(self, target, examples: list, features, *, k: int = 7, max_len: int = 256, block_size=None, room=None):
-        self.k, self.block_size = k, block_size
+    def __init__(self, target, examples: list, features, *, k=7, max_len=256, block_size=None, room=None, chain=False):
+        self.k, self.block_size, self.chain = k, block_size, chain
         if block_size is not None and not 1 <= k < block_size:
             raise ValueError(f"HeldoutSet: k={k} drafts do not fit a DFlash block of {block_size}")
         w = jnp.asarray(target.embedding_arrays()[1])
@@ -114,7 +119,7 @@ class HeldoutSet:
                 step=0,
                 seed=0,
                 max_len=max_len,
-                mode="parallel",
+                mode="chain" if chain else "parallel",
                 k=k,
                 r=1.0,
                 r_min=1.0,
@@ -128,11 +133,14 @@ class HeldoutSet:
 
     def anchor_lengths(self, drafter, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(anchors, acceptance lengths) of held-out sequence `i` under `drafter`."""
-        if (drafter.config.mode == "dflash") != (self.block_size is not None) or (
-            self.block_size is not None and drafter.config.block_size != self.block_size
+        mode = drafter.config.mode
+        if (
+            (mode == "dflash") != (self.block_size is not None)
+            or (mode == "chain") != self.chain
+            or (self.block_size is not None and drafter.config.block_size != self.block_size)
         ):
             raise ValueError(
-                f"HeldoutSet of block_size {self.block_size}: cannot score a {drafter.config.mode} head "
+                f"HeldoutSet of block_size {self.block_size}, chain {self.chain}: cannot score a {mode} head "
                 f"(block_size {drafter.config.block_size})"
             )
         b = self.rows[i]
@@ -141,6 +149,7 @@ class HeldoutSet:
             return self.block_lengths(drafter, b, self.feats[i], self.greedy[i], d2t)
         hit = _row_hits(
             self.k,
+            self.chain,
             drafter.graphdef,
             drafter.state,
             d2t,
@@ -188,8 +197,10 @@ def heldout_rounds(target, head, examples: list, *, k: int, max_len: int) -> dic
     them greedily at K = k (`HeldoutSet`'s per-round walk), with the mean over every anchor beside
     it: {"k", "conversations", "per_round", "per_round_se", "rounds", "per_anchor", "per_anchor_se"}."""
     feats = padded_features(target, head.config.aux_layer_ids, max_len)
-    block = head.config.block_size if head.config.mode == "dflash" else None
-    score = HeldoutSet(target, examples, feats, k=k, max_len=max_len, block_size=block).acceptance(head)
+    mode = head.config.mode
+    block = head.config.block_size if mode == "dflash" else None
+    held = HeldoutSet(target, examples, feats, k=k, max_len=max_len, block_size=block, chain=mode == "chain")
+    score = held.acceptance(head)
     out = {"k": k, "conversations": len(examples), "per_anchor": score["acceptance"], "per_anchor_se": score["se"]}
     return out | {key: score[key] for key in ("per_round", "per_round_se", "rounds")}
 
@@ -272,11 +283,16 @@ def _block_hits(graphdef, state, d2t, tokens, aux, positions, doc, anchor, valid
     return drafted == jnp.take_along_axis(greedy, ref.reshape(1, -1), axis=1).reshape(ref.shape)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _row_hits(k, graphdef, state, d2t, tokens, aux, greedy, anchor, depth, doc):
-    """[1, N] whether each COD row's draft (as a target id) is the target's greedy token."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _row_hits(k, chain, graphdef, state, d2t, tokens, aux, greedy, anchor, depth, doc):
+    """[1, N] whether each row's draft (as a target id) is the target's greedy token: COD rows
+    in one pass, or (`chain`) the training-time test's rows, step by step."""
     model = nnx.merge(graphdef, state)
-    logits = cod_rows_forward(model, next_rows(tokens), aux, anchor, depth, doc, mask="kernels", chain_depth=k - 1)
+    if chain:
+        states = chain_steps(model, next_rows(tokens), aux, anchor, depth, doc, k=k, attention="kernels")
+        logits = model.head(jnp.concatenate(states, axis=1))
+    else:
+        logits = cod_rows_forward(model, next_rows(tokens), aux, anchor, depth, doc, mask="kernels", chain_depth=k - 1)
     top = top_index(logits)
     drafted = top + jnp.take(d2t, top)
     ref = jnp.clip(anchor + depth, 0, tokens.shape[1] - 1)

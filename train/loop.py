@@ -339,8 +339,8 @@ def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, 
     summary.update(head_dir=str(head_dir), vllm_dir=str(vllm_dir), export_warnings=report.get("warnings", []))
     if cfg.eval.enabled and dist.multi_process():  # process 0 alone measures, on its own copy of the target
         target = load_target(cfg, out)[1]
-    # what the engine accepts answering the held-out conversations (HeldoutSet scores P-EAGLE and DFlash heads)
-    if ds.heldout and cfg.model.mode != "chain" and (cfg.eval.enabled or not dist.multi_process()):
+    # what the engine accepts answering the held-out conversations
+    if ds.heldout and (cfg.eval.enabled or not dist.multi_process()):
         log(f"held-out acceptance per greedy round ({len(ds.heldout)} conversations)")
         summary["heldout_rounds"] = heldout_rounds(
             target, export.head, ds.heldout, k=trainer.eval_k, max_len=cfg.data.max_len

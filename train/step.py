@@ -179,29 +179,21 @@ def loss_and_metrics(
     return loss, metrics
 
 
-def chain_objective(
-    model, row_tok, aux, teacher, top_t, sup, anchor, depth, doc, *, k, chain_decay, attention, ce_weight=0.0
-):
-    """EAGLE-3's training-time test: (loss, hit, correct, total) of the k steps of rows. Step j
-    runs only its own L rows, over the keys and values that steps 0..j-1 left (`context`), so
-    every row is computed once (k passes of L rows)."""
+def chain_steps(model, row_tok, aux, anchor, depth, doc, *, k, attention):
+    """EAGLE-3's training-time test over rows ordered by (step, anchor), L rows a step
+    (`train.cod.chain_rows`): the pre-norm states [B, L, H] of steps 0..k-1. Step j runs only its
+    own rows, over the keys and values steps 0..j-1 left (`context`) and the state step j-1 left
+    at each row (`feedback`): every row is computed once (k passes of L rows), and a row's draft
+    is the engine's chain from its anchor whenever the chain's earlier drafts were right."""
     length = aux.shape[1]
     hidden = model.fuse(aux.astype(jnp.float32))
     context = model.empty_context(aux.shape[0], hidden.dtype)
-    loss = jnp.zeros((), jnp.float32)
-    hits, corrects, totals = [], [], []
+    states = []
     for j in range(k):
         rows = slice(j * length, (j + 1) * length)
         a, d, c = anchor[:, rows], depth[:, rows], doc[:, rows]
-        spec = kernels.AttentionSpec.make(
-            a,
-            d,
-            c,
-            anchor[:, : (j + 1) * length],
-            depth[:, : (j + 1) * length],
-            doc[:, : (j + 1) * length],
-            chain_depth=k - 1,
-        )
+        seen = slice(0, (j + 1) * length)
+        spec = kernels.AttentionSpec.make(a, d, c, anchor[:, seen], depth[:, seen], doc[:, seen], chain_depth=k - 1)
         res = model(
             take_rows(row_tok, jnp.clip(a + d, 0, length - 1)),
             hidden,
@@ -212,17 +204,31 @@ def chain_objective(
             context=context,
         )
         context = model.extend_context(context, res.cache)
+        hidden = model.feedback(res.prenorm)
+        states.append(res.prenorm)
+    return states
+
+
+def chain_objective(
+    model, row_tok, aux, teacher, top_t, sup, anchor, depth, doc, *, k, chain_decay, attention, ce_weight=0.0
+):
+    """EAGLE-3's training-time test (`chain_steps`): (loss, hit, correct, total) of the k steps
+    of rows, step j weighted chain_decay**j."""
+    length = aux.shape[1]
+    states = chain_steps(model, row_tok, aux, anchor, depth, doc, k=k, attention=attention)
+    loss = jnp.zeros((), jnp.float32)
+    hits, corrects, totals = [], [], []
+    for j, prenorm in enumerate(states):
         o = fused_draft_loss(
-            *model.head_inputs(res.prenorm),
+            *model.head_inputs(prenorm),
             next_rows(teacher, j),
-            sup[:, rows],
+            sup[:, j * length : (j + 1) * length],
             None,
             num_depths=1,
             teacher_top=next_rows(top_t, j),
             ce_weight=ce_weight,
         )
         loss = loss + (chain_decay**j) * o.loss
-        hidden = model.feedback(res.prenorm)
         hits.append(o.hit)
         corrects.append(o.correct[0])
         totals.append(o.total[0])

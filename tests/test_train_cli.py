@@ -280,3 +280,10 @@ def test_the_end_line_names_the_training_batches_acceptance_beside_the_held_out_
         "simulated acceptance length 1.81 on the last training batches, 1.31 per anchor and 1.19 ± 0.03 per greedy "
         "round (K=7, 120 rounds: what the engine accepts) on the 4 held-out conversations"
     ) in out
+    summary.update(simulated_acceptance_se=0.291, simulated_acceptance_batches=20)
+    with mock.patch("train.loop.run", lambda cfg, hooks=(): summary):
+        assert entry.main(["--preset", "tiny"]) == 0
+    assert (
+        "simulated acceptance length 1.81 ± 0.29 on the last 20 training batches, 1.31 per anchor"
+        in capsys.readouterr().out
+    )

@@ -69,6 +69,11 @@ def test_tiny_learns(tiny_run):
     for key in ("k", "acceptance_length", "speedup", "baseline_tokens_per_second", "tokens_per_second", "prompts"):
         assert key in summary["eval"], key
     assert summary["eval"]["identical_to_greedy"] == 1.0  # greedy speculative decoding is lossless
+    taus = [
+        1 + sum(r["cond_acc"][: summary["heldout_rounds"]["k"]]) for r in steps[-20:]
+    ]  # the printed figure's spread
+    assert summary["simulated_acceptance_batches"] == 20
+    assert summary["simulated_acceptance_se"] == pytest.approx(np.std(taus, ddof=1) / np.sqrt(20), rel=1e-6)
     rounds = summary["heldout_rounds"]  # the engine's walk over the held-out answers
     assert rounds["conversations"] == summary["data"]["heldout"] > 0 and rounds["rounds"] > 0
     assert 1.0 <= rounds["per_round"] <= rounds["k"] + 1 and 1.0 <= rounds["per_anchor"] <= rounds["k"] + 1

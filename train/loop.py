@@ -436,6 +436,7 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
     tail = recs[-20:]
     per_depth = np.mean([r["acc"] for r in tail], axis=0).tolist() if tail else []
     cond_acc = np.mean([r["cond_acc"] for r in tail], axis=0).tolist() if tail else []
+    taus = [1 + float(np.sum(r["cond_acc"][:eval_k])) for r in tail]  # one per batch: a step's sim_tau
     batches = (D.batch_examples(ds.train, s, dc.batch_size, dc.seed) for s in range(trainer.step))
     return {
         "mode": cfg.model.mode,
@@ -452,8 +453,10 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
         "per_depth_accuracy": per_depth,
         "conditional_accuracy": cond_acc,
         "simulated_acceptance_length": float(1 + np.sum(cond_acc[:eval_k])) if cond_acc else None,
+        "simulated_acceptance_se": float(np.std(taus, ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None,
+        "simulated_acceptance_batches": len(taus),
         "simulated_acceptance_definition": f"1 + sum over depths d < {eval_k} of the share of supervised rows "
-        "whose drafts at depths 0..d are all right (mean of the last 20 steps)",
+        "whose drafts at depths 0..d are all right (mean of the last 20 steps; se: their spread)",
         "heldout": ev,
         "data": ds.stats,
         "draft_vocab_size": trainer.drafter.config.draft_vocab_size,

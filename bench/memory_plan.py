@@ -4,9 +4,10 @@ Each case is one `python -m peagle_jax.plan` run (no device: the compile venv's 
 and TPU compilers, abstract weights, the target's real layer count) whose JSON lands in --out,
 one file per case; a case whose file exists is not run again, so an interrupted sweep resumes.
 `--publish` turns every case file there into bench/results/memory_plan.json, which
-`bench/render_results.py` renders into docs/benchmarks.md.
+`bench/render_results.py` renders into docs/benchmarks.md; `--publish --merge` replaces only the
+rows of the programs those files hold (a few cases planned again on a machine without the rest).
 
-    .venv-compile/bin/python bench/memory_plan.py [--only SUBSTRING] [--out DIR] [--publish]
+    .venv-compile/bin/python bench/memory_plan.py [--only SUBSTRING] [--out DIR] [--publish [--merge]]
 
 Train cases search the longest sequence (4k, 8k, 16k, ... tokens or from --tokens, one sequence per device,
 sequence partitioning auto as `python -m train` runs it) until the compiler refuses the step or
@@ -176,7 +177,45 @@ def header(title: str, order: int, setup: str) -> dict:
     }
 
 
-def publish_estimates(results: list[dict]) -> Path:
+LONGEST = "Longest training sequence"
+
+
+def merged(old: list, new: list, key) -> list:
+    """`old` with every item whose key a `new` item has replaced, in place, by the new items of
+    that key; the new items of other keys after."""
+    groups: dict = {}
+    for item in new:
+        groups.setdefault(key(item), []).append(item)
+    out, done = [], set()
+    for item in old:
+        k = key(item)
+        if k not in groups:
+            out.append(item)
+        elif k not in done:
+            out.extend(groups[k])
+            done.add(k)
+    return out + [item for k, items in groups.items() if k not in done for item in items]
+
+
+def write_published(data: dict, name: str, merge: bool) -> Path:
+    """bench/results/<name>.json. With `merge`, the published rows of the programs the new cases
+    did not plan are kept (rows keyed by target, device and program; "Longest ..." notes by what
+    they name), with a note of which rows are from which commit."""
+    dest, data = ROOT / "bench" / "results" / f"{name}.json", dict(data)
+    if merge and dest.exists():
+        old = json.loads(dest.read_text())
+        planned = sorted({f"{r[0]} {r[2]} on {r[1]}" for r in data["rows"]})
+        data["rows"] = merged(old["rows"], data["rows"], lambda row: tuple(row[:3]))
+        longest_notes = [n for n in old["notes"] if n.startswith(LONGEST)]
+        notes = merged(longest_notes, data["notes"], lambda note: note.split(":")[0])
+        again = f"Planned at {data['commit']} ({data['date']}): {'; '.join(planned)}."
+        again += f" The other rows: at {old['commit']} ({old['date']})."
+        data["notes"] = [*notes, again] if planned else notes
+    dest.write_text(json.dumps(data, indent=1) + "\n")
+    return dest
+
+
+def publish_estimates(results: list[dict], merge: bool = False) -> Path:
     data = header(
         "Roofline estimates on H100 and TPU slices (estimates, not measurements)",
         76,
@@ -197,15 +236,13 @@ def publish_estimates(results: list[dict]) -> Path:
     ]  # fmt: skip
     data["rows"] = [row for r in results for row in estimate_rows(r)]
     data["notes"] = ["Cases compiled without the estimate (the other rows of the memory plans) are not listed."]
-    dest = ROOT / "bench" / "results" / "roofline_estimate.json"
-    dest.write_text(json.dumps(data, indent=1) + "\n")
-    return dest
+    return write_published(data, "roofline_estimate", merge)
 
 
-def publish(out: Path) -> Path:
+def publish(out: Path, merge: bool = False) -> Path:
     results = [json.loads(p.read_text()) | {"name": p.stem.split("_")[0]} for p in sorted(out.glob("*.json"))]
     results.sort(key=lambda r: (r["job"] != "train", r["name"], r["device"]["name"], first_sizes(r)))
-    publish_estimates(results)
+    publish_estimates(results, merge)
     data = header(
         "Memory plans on H100 and TPU slices, from the devices' compilers",
         75,
@@ -248,9 +285,7 @@ def publish(out: Path) -> Path:
             "(the runtime's reservations, fragmentation); see docs/device.md.",
         ],
     }
-    dest = ROOT / "bench" / "results" / "memory_plan.json"
-    dest.write_text(json.dumps(data, indent=1) + "\n")
-    return dest
+    return write_published(data, "memory_plan", merge)
 
 
 def main(argv=None) -> int:
@@ -258,13 +293,16 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "memory_plan")
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--publish", action="store_true", help="write bench/results/memory_plan.json from --out")
+    ap.add_argument(
+        "--merge", action="store_true", help="with --publish: keep the published rows of the programs --out lacks"
+    )
     ap.add_argument("--list", action="store_true", help="print the cases' names and exit")
     args = ap.parse_args(argv)
     if args.list:
         print("\n".join(c.name for c in CASES))
         return 0
     if args.publish:
-        print(f"wrote {publish(args.out)}")
+        print(f"wrote {publish(args.out, args.merge)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     for case in CASES:

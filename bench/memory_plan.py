@@ -275,12 +275,8 @@ def publish(out: Path, merge: bool = False) -> Path:
         "rows": [row for r in results for row in rows_of(r)],
         "notes": [
             *longest(results),
-            "The v5e-8 and v5p-8 train rows were planned before two fixes and overstate the temporaries: the plan "
-            "compiled the step without the trainer's shardings, and the step let XLA run the target over every "
-            "sequence on every device (now kept to each device's rows: `peagle_jax.models.decoder.rows_sharded`). "
-            "The h100x8 rows are planned with both: at 65,536 tokens 20.17 GiB of temporaries a device, where the "
-            "earlier plan read 57.3 GiB (2.7x one H100's 21.5 GiB), and the longest sequence went from 65,536 to "
-            "262,144 tokens. Rerun the TPU cases for current figures.",
+            "The train rows are planned with the trainer's shardings and each device's target kept to its own "
+            "rows (`peagle_jax.models.decoder.rows_sharded`); CHANGELOG.md has the figures planned before.",
             "What only a device can tell: speed, the compiled kernels' numerics, and memory outside XLA's plan "
             "(the runtime's reservations, fragmentation); see docs/device.md.",
         ],

@@ -101,9 +101,10 @@ def rows_of(result: dict) -> list[list]:
         size = f"{p['tokens']:,} tokens" if result["job"] == "train" else f"batch {p['batch']}"
         cache = "-" if result["job"] == "train" else f"{p['cache_len']:,}"
         verdict = "fits" if p["fits"] else ("does not fit" if p["compiled"] else "refused")
+        size_of = gib if p["compiled"] else (lambda _: "-")  # the compiler refused it: no plan to size
         rows.append([
             f"{result['name']} x{result['layers']}", dev["name"], program_label(result, p), size, cache,
-            gib(p["argument_bytes"]), gib(p["temp_bytes"]), gib(p["peak_bytes"]),
+            size_of(p["argument_bytes"]), size_of(p["temp_bytes"]), size_of(p["peak_bytes"]),
             f"{dev['memory_bytes'] / GiB:.1f}", gib(p["headroom_bytes"]), verdict, f"{p['compile_seconds']:.0f}",
         ])  # fmt: skip
     return rows

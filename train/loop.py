@@ -452,7 +452,7 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
         "final_loss": recs[-1]["loss"] if recs else None,
         "per_depth_accuracy": per_depth,
         "conditional_accuracy": cond_acc,
-        "simulated_acceptance_length": float(1 + np.sum(cond_acc[:eval_k])) if cond_acc else None,
+        "simulated_acceptance_length": float(np.mean(taus)) if taus else None,
         "simulated_acceptance_se": float(np.std(taus, ddof=1) / np.sqrt(len(taus))) if len(taus) > 1 else None,
         "simulated_acceptance_batches": len(taus),
         "simulated_acceptance_definition": f"1 + sum over depths d < {eval_k} of the share of supervised rows "

@@ -196,22 +196,38 @@ def merged(old: list, new: list, key) -> list:
     return out + [item for k, items in groups.items() if k not in done for item in items]
 
 
+def program_of(row: list) -> str:
+    """A published row's program: target, program and device (rows of one search share it)."""
+    return f"{row[0]} {row[2]} on {row[1]}"
+
+
 def write_published(data: dict, name: str, merge: bool) -> Path:
     """bench/results/<name>.json. With `merge`, the published rows of the programs the new cases
     did not plan are kept (rows keyed by target, device and program; "Longest ..." notes by what
-    they name), with a note of which rows are from which commit."""
+    they name), and `planned_at` records the commit each program was planned at, across merges
+    (a note names them; the commit of most programs as "the other rows")."""
     dest, data = ROOT / "bench" / "results" / f"{name}.json", dict(data)
     if merge and dest.exists():
         old = json.loads(dest.read_text())
-        planned = sorted({f"{r[0]} {r[2]} on {r[1]}" for r in data["rows"]})
+        when = old.get("planned_at") or {program_of(r): f"{old['commit']} ({old['date']})" for r in old["rows"]}
+        when |= {program_of(r): f"{data['commit']} ({data['date']})" for r in data["rows"]}
         data["rows"] = merged(old["rows"], data["rows"], lambda row: tuple(row[:3]))
         longest_notes = [n for n in old["notes"] if n.startswith(LONGEST)]
         notes = merged(longest_notes, data["notes"], lambda note: note.split(":")[0])
-        again = f"Planned at {data['commit']} ({data['date']}): {'; '.join(planned)}."
-        again += f" The other rows: at {old['commit']} ({old['date']})."
-        data["notes"] = [*notes, again] if planned else notes
+        data["planned_at"] = {p: when[p] for p in dict.fromkeys(map(program_of, data["rows"]))}
+        data["notes"] = [*notes, planned_note(data["planned_at"])]
     dest.write_text(json.dumps(data, indent=1) + "\n")
     return dest
+
+
+def planned_note(planned_at: dict) -> str:
+    """Which rows were planned at which commit: each commit but the most common one with its programs."""
+    by: dict[str, list] = {}
+    for program, when in planned_at.items():
+        by.setdefault(when, []).append(program)
+    most = max(by, key=lambda w: len(by[w]))
+    named = [f"Planned at {w}: {'; '.join(ps)}." for w, ps in by.items() if w != most]
+    return " ".join([*named, f"The other rows: at {most}." if named else f"Planned at {most}."])
 
 
 def publish_estimates(results: list[dict], merge: bool = False) -> Path:

@@ -1,6 +1,6 @@
 """bench/memory_plan.py --publish --merge: a few cases planned again replace the published rows of
-their programs in place and keep the rest, their "Longest ..." notes replace the old ones, and a
-note says which rows come from which commit. (The plans themselves need the compile venv.)"""
+their programs in place and keep the rest, their "Longest ..." notes replace the old ones, and
+each program keeps the commit it was planned at across merges. (The plans themselves need the compile venv.)"""
 
 from __future__ import annotations
 
@@ -57,5 +57,17 @@ def test_a_merged_publish_keeps_the_other_rows_and_notes(tmp_path, monkeypatch):
         "a fixed note, new text",
         "Planned at bbb (2026-12-03): L x32 train/parallel on v5p-8. The other rows: at aaa (2026-11-01).",
     ]
+    # a second merge on top: each program keeps the commit it was planned at
+    newer = {"commit": "ccc", "date": "2026-12-04", "rows": [["L x32", "h200", "train/parallel", "4,096"]], "notes": []}
+    data = json.loads(mod.write_published(newer, "plan", merge=True).read_text())
+    assert data["planned_at"] == {
+        "L x32 train/parallel on h100": "aaa (2026-11-01)",
+        "L x32 train/parallel on v5p-8": "bbb (2026-12-03)",
+        "L x32 train/parallel on h200": "ccc (2026-12-04)",
+    }
+    assert data["notes"][-1] == (
+        "Planned at bbb (2026-12-03): L x32 train/parallel on v5p-8. Planned at ccc (2026-12-04): L x32 "
+        "train/parallel on h200. The other rows: at aaa (2026-11-01)."
+    )
     unmerged = json.loads(mod.write_published(dict(new, notes=[]), "plan", merge=False).read_text())
     assert len(unmerged["rows"]) == 2  # a full publish writes only what it planned

@@ -3,11 +3,12 @@
 Each case is one `python -m peagle_jax.plan` run (no device: the compile venv's deviceless GPU
 and TPU compilers, abstract weights, the target's real layer count) whose JSON lands in --out,
 one file per case; a case whose file exists is not run again, so an interrupted sweep resumes.
-`--publish` turns every case file there into bench/results/memory_plan.json, which
-`bench/render_results.py` renders into docs/benchmarks.md; `--publish --merge` replaces only the
+`--publish` turns every case file there into bench/results/memory_plan.json (with
+roofline_estimate.json, the programs' estimates, and memory_fits.json, what fits per target and
+device read off the plan's rows), which `bench/render_results.py` renders into docs/benchmarks.md; `--publish --merge` replaces only the
 rows of the programs those files hold (a few cases planned again on a machine without the rest).
 
-    .venv-compile/bin/python bench/memory_plan.py [--only SUBSTRING] [--out DIR] [--publish [--merge]]
+    .venv-compile/bin/python bench/memory_plan.py [--only SUBSTRING] [--jobs N] [--out DIR] [--publish [--merge]]
 
 Train cases search the longest sequence (4k, 8k, 16k, ... tokens or from --tokens, one sequence per device,
 sequence partitioning auto as `python -m train` runs it) until the compiler refuses the step or
@@ -24,6 +25,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,14 +58,23 @@ def serve(target: str, device: str, batch: int, cache: int) -> Case:
     return Case(target, device, "serve", flags, f"batch{batch}_cache{cache // 1024}k")
 
 
+TARGETS = ("Llama-3.1-8B", "Qwen3-8B", "Qwen3-30B-A3B", "Gemma-3-270M", "Gemma-3-1B", "Gemma-3-27B",
+           "GPT-OSS-20B", "GPT-OSS-120B")  # fmt: skip
+# serving on GPU: one H100 where the bf16 target leaves room for a cache, else a host of 8
+SERVE_GPU = {"Qwen3-30B-A3B": "h100x8", "Gemma-3-27B": "h100x8", "GPT-OSS-120B": "h100x8"}
+
 CASES = [
-    *(train(d, "--search") for d in ("h100", "h100x8", "v5e-8")),
-    train("v5p-8", "--search", "--tokens", "65536"),  # from 64k: ~2 min a step through the TPU compiler on 2 cores
-    train("h100", "--search", "--train-flag=--loop.segments=1", tag="flat"),  # one segment: no partitioning
-    *(serve("GPT-OSS-120B", d, b, c) for c in (8192, 32768) for b in (1, 16, 64) for d in ("h100x8", "v5p-8")),
-    # the roofline estimate's cases: one step at the default length, the round against the decode step
-    *(train("h100", "--tokens", "4096", tag="4k", target=t) for t in ("Llama-3.1-8B", "Qwen3-8B", "GPT-OSS-20B")),
-    *(serve("Llama-3.1-8B", d, b, 8192) for b in (1, 16, 64) for d in ("h100", "v5p-8")),
+    *(train(d, "--search", target=t) for t in TARGETS for d in ("h100", "h100x8", "v5e-8")),
+    *(train("v5p-8", "--search", target=t) for t in TARGETS if t != "Llama-3.1-8B"),
+    train("v5p-8", "--search", "--tokens", "65536"),  # Llama from 64k: its shorter steps fit with room to spare
+    *(train("h100", "--search", "--train-flag=--loop.segments=1", tag="flat", target=t) for t in TARGETS),
+    *(
+        serve(t, d, b, c)
+        for t in TARGETS
+        for d in (SERVE_GPU.get(t, "h100"), "v5p-8")
+        for c in (8192, 32768)
+        for b in (1, 16, 64)
+    ),
 ]
 
 
@@ -254,6 +265,62 @@ def publish_estimates(results: list[dict], merge: bool = False) -> Path:
     return write_published(data, "roofline_estimate", merge)
 
 
+# what fits, per target: (column, devices, program, cache) over the memory plans' rows
+FITS_COLUMNS = [
+    *((f"train {d}", (d,), "train/parallel", "-") for d in ("h100", "h100x8", "v5e-8", "v5p-8")),
+    ("train h100, one segment", ("h100",), "train/parallel, one segment", "-"),
+    *(
+        (f"serve {where}, cache {c}", devices, "serve/round/parallel", c)
+        for where, devices in (("GPU", ("h100", "h100x8")), ("v5p-8", ("v5p-8",)))
+        for c in ("8,192", "32,768")
+    ),
+]
+
+
+def size_of(row: list) -> int:
+    """A published row's tokens (train) or batch (serve)."""
+    return int("".join(ch for ch in row[3] if ch.isdigit()))
+
+
+def fits_cell(rows: list[list], devices: tuple, program: str, cache: str) -> str:
+    """The largest size of one target's program that fits on `devices` ("≥" when the largest train
+    size planned fit; the device when several are allowed); "none" with the smallest size's peak."""
+    mine = sorted((r for r in rows if r[1] in devices and r[2] == program and r[4] == cache), key=size_of)
+    ok = [r for r in mine if r[10] == "fits"]
+    if not mine:
+        return "-"
+    if not ok:
+        first = mine[0]
+        why = "refused" if first[10] == "refused" else f"{first[7]} GiB"
+        return f"none ({size_of(first):,}: {why})"
+    best = ok[-1]
+    cell = ("≥ " if best is mine[-1] and program.startswith("train") else "") + f"{size_of(best):,}"
+    return cell + (f" on {best[1]}" if len(devices) > 1 else "")
+
+
+def publish_fits(plan: dict) -> Path:
+    """The memory plans' table read as what fits: one row per target, a column per device and job."""
+    data = header(
+        "What fits: the longest training sequence and the largest serving batch, per target and device",
+        74,
+        "Read off the memory plans below (the devices' own compilers, no device; a plan fits within 90% of "
+        "a device's memory). Train: the longest sequence, in tokens per device and powers of two from 4,096, "
+        "whose step (the default 1-layer P-EAGLE head, AdamW) fits; '≥' where the search stopped at its last "
+        "size still fitting. Serve: the largest batch of 1, 16 and 64 whose P-EAGLE round (K = 7) fits at that "
+        "KV-cache length, on one H100 or, where the bf16 target leaves no room for a cache there, 8 H100. "
+        "'none': the smallest size planned and its peak per device.",
+    )
+    targets = list(dict.fromkeys(r[0] for r in plan["rows"]))
+    data["columns"] = ["target x layers", *(c[0] for c in FITS_COLUMNS)]
+    data["rows"] = [
+        [t, *(fits_cell([r for r in plan["rows"] if r[0] == t], *c[1:]) for c in FITS_COLUMNS)] for t in targets
+    ]
+    data["notes"] = [
+        "Derived from bench/results/memory_plan.json, whose notes name the commit each row was planned at."
+    ]
+    return write_published(data, "memory_fits", merge=False)
+
+
 def publish(out: Path, merge: bool = False) -> Path:
     results = [json.loads(p.read_text()) | {"name": p.stem.split("_")[0]} for p in sorted(out.glob("*.json"))]
     results.sort(key=lambda r: (r["job"] != "train", r["name"], r["device"]["name"], first_sizes(r)))
@@ -296,7 +363,9 @@ def publish(out: Path, merge: bool = False) -> Path:
             "(the runtime's reservations, fragmentation); see docs/device.md.",
         ],
     }
-    return write_published(data, "memory_plan", merge)
+    dest = write_published(data, "memory_plan", merge)
+    publish_fits(json.loads(dest.read_text()))
+    return dest
 
 
 def main(argv=None) -> int:
@@ -307,6 +376,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--merge", action="store_true", help="with --publish: keep the published rows of the programs --out lacks"
     )
+    ap.add_argument("--jobs", type=int, default=1, help="cases compiled at once (a compile uses about one core)")
     ap.add_argument("--list", action="store_true", help="print the cases' names and exit")
     args = ap.parse_args(argv)
     if args.list:
@@ -316,9 +386,9 @@ def main(argv=None) -> int:
         print(f"wrote {publish(args.out, args.merge)}")
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
-    for case in CASES:
-        if args.only in case.name and not (args.out / f"{case.name}.json").exists():
-            run_case(case, args.out, sys.executable)
+    todo = [c for c in CASES if args.only in c.name and not (args.out / f"{c.name}.json").exists()]
+    with ThreadPoolExecutor(args.jobs) as pool:  # each case is its own compiler process
+        list(pool.map(lambda case: run_case(case, args.out, sys.executable), todo))
     return 0
 
 

@@ -1,6 +1,7 @@
-"""bench/memory_plan.py --publish --merge: a few cases planned again replace the published rows of
-their programs in place and keep the rest, their "Longest ..." notes replace the old ones, and
-each program keeps the commit it was planned at across merges. (The plans themselves need the compile venv.)"""
+"""bench/memory_plan.py --publish: with --merge, a few cases planned again replace the published rows
+of their programs in place and keep the rest, their "Longest ..." notes replace the old ones, and
+each program keeps the commit it was planned at across merges; the what-fits table is read off the
+published rows. (The plans themselves need the compile venv.)"""
 
 from __future__ import annotations
 
@@ -71,3 +72,44 @@ def test_a_merged_publish_keeps_the_other_rows_and_notes(tmp_path, monkeypatch):
     )
     unmerged = json.loads(mod.write_published(dict(new, notes=[]), "plan", merge=False).read_text())
     assert len(unmerged["rows"]) == 2  # a full publish writes only what it planned
+
+
+def _row(device, program, size, cache, peak, verdict):
+    return ["T x2", device, program, size, cache, "1.00", "1.00", peak, "80.0", "1.00", verdict, "10"]
+
+
+def test_what_fits_is_the_largest_size_that_fits_per_device_and_program(tmp_path, monkeypatch):
+    mod = _module()
+    train, serve = "train/parallel", "serve/round/parallel"
+    rows = [
+        _row("h100", train, "16,384 tokens", "-", "90.00", "does not fit"),  # out of order on purpose
+        _row("h100", train, "4,096 tokens", "-", "20.00", "fits"),
+        _row("h100", train, "8,192 tokens", "-", "40.00", "fits"),
+        _row("h100x8", train, "4,096 tokens", "-", "5.00", "fits"),
+        _row("h100x8", train, "8,192 tokens", "-", "6.00", "fits"),
+        _row("v5e-8", train, "4,096 tokens", "-", "-", "refused"),
+        _row("h100", train + ", one segment", "4,096 tokens", "-", "99.00", "does not fit"),
+        _row("h100x8", serve, "batch 1", "8,192", "30.00", "fits"),
+        _row("h100x8", serve, "batch 16", "8,192", "40.00", "fits"),
+        _row("h100x8", serve, "batch 64", "8,192", "90.00", "does not fit"),
+        _row("h100x8", "serve/decode", "batch 64", "8,192", "50.00", "fits"),  # the decode step is not the round
+        _row("v5p-8", serve, "batch 64", "8,192", "50.00", "fits"),
+    ]
+    cells = {c[0]: mod.fits_cell(rows, *c[1:]) for c in mod.FITS_COLUMNS}
+    assert cells == {
+        "train h100": "8,192",
+        "train h100x8": "≥ 8,192",
+        "train v5e-8": "none (4,096: refused)",
+        "train v5p-8": "-",
+        "train h100, one segment": "none (4,096: 99.00 GiB)",
+        "serve GPU, cache 8,192": "16 on h100x8",
+        "serve GPU, cache 32,768": "-",
+        "serve v5p-8, cache 8,192": "64",
+        "serve v5p-8, cache 32,768": "-",
+    }
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    other = ["U x1", "h100", train, "4,096 tokens", "-", "1", "1", "2.00", "80.0", "78", "fits", "1"]
+    data = json.loads(mod.publish_fits({"rows": [*rows, other]}).read_text())
+    assert [row[:2] for row in data["rows"]] == [["T x2", "8,192"], ["U x1", "≥ 4,096"]]
+    assert len(data["columns"]) == len(data["rows"][0]) == 1 + len(mod.FITS_COLUMNS)

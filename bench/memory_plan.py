@@ -365,7 +365,7 @@ def publish(out: Path, merge: bool = False) -> Path:
         "notes": [
             *longest(results),
             "The train rows are planned with the trainer's shardings and each device's target kept to its own "
-            "rows (`peagle_jax.models.decoder.rows_sharded`); CHANGELOG.md has the figures planned before.",
+            "rows (`peagle_jax.models.rows.rows_sharded`); CHANGELOG.md has the figures planned before.",
             "What only a device can tell: speed, the compiled kernels' numerics, and memory outside XLA's plan "
             "(the runtime's reservations, fragmentation); see docs/device.md.",
         ],

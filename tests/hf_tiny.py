@@ -97,6 +97,8 @@ SPECS = {
         ),
     ),
 }
+# the trainer needs three distinct aux layers below the last: a fourth layer
+SPECS["qwen3_moe_4"] = ("qwen3_moe", SPECS["qwen3_moe"][1] | {"num_hidden_layers": 4})
 
 
 def _hf_config(family: str, overrides: dict):

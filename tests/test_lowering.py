@@ -126,7 +126,7 @@ ROWS_PROGRAM = Path(__file__).resolve().parent / "programs" / "target_rows_on_me
 
 def test_the_target_runs_on_its_own_rows_on_each_device(tiny_folder):
     """8 sequences on 8 devices, weights and rows split over the same devices (fsdp): the target's
-    MLP runs over one device's rows (`peagle_jax.models.decoder.rows_sharded`), not over every
+    MLP runs over one device's rows (`peagle_jax.models.rows.rows_sharded`), not over every
     sequence on every device, which XLA chose without the constraint (8x the target's work, and
     2.6x the temporaries of one device's step for Llama-3.1-8B at 16k tokens on 8 H100s)."""
     got = run_on_8_devices(ROWS_PROGRAM, tiny_folder)

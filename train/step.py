@@ -33,9 +33,9 @@ from flax import nnx
 
 import kernels
 from peagle_jax.dtypes import numpy_dtype
-from peagle_jax.models.decoder import rows_sharded
 from peagle_jax.models.dflash import DFlashModel
 from peagle_jax.models.drafter import DrafterModel, cod_rows_states, flat_state, param_key
+from peagle_jax.models.rows import rows_sharded
 from peagle_jax.sharding import kernels_partitioned, role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
 from train.blocks import block_loss_and_metrics

@@ -8,8 +8,6 @@ A layer's feed-forward is a gated MLP or, where `cfg.mlp_types` says "moe", `mod
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 from typing import NamedTuple
 
 import jax
@@ -21,6 +19,7 @@ import kernels
 from peagle_jax.config import TargetConfig
 from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
 from peagle_jax.models.moe import MoE
+from peagle_jax.models.rows import keep_rows
 
 
 class DecoderOutput(NamedTuple):
@@ -82,28 +81,6 @@ class DecoderLayer(nnx.Module):
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv_cache
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), kv_cache
-
-
-_ROWS = contextvars.ContextVar("decoder_rows", default=None)
-
-
-@contextlib.contextmanager
-def rows_sharded(sharding):
-    """Decoders traced inside keep their hidden states [B, T, H] split by `sharding` (the batch's
-    rows over the devices that hold them) from layer to layer. With the weights split over the same
-    devices (fsdp), XLA is otherwise free to gather every row's activations to each device instead
-    of each layer's weights: a step over 8 sequences on 8 GPUs then ran the target over all 8 on
-    every GPU. None: no constraint."""
-    token = _ROWS.set(sharding)
-    try:
-        yield
-    finally:
-        _ROWS.reset(token)
-
-
-def keep_rows(x: jax.Array) -> jax.Array:
-    sharding = _ROWS.get()
-    return x if sharding is None else jax.lax.with_sharding_constraint(x, sharding)
 
 
 class Decoder(nnx.Module):

@@ -18,13 +18,17 @@ Qwen3-MoE per-expert [out, in] matrices are transposed and stacked at load).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import kernels
 from peagle_jax.config import TargetConfig
 from peagle_jax.models.layers import ACTIVATIONS, Linear
+from peagle_jax.models.rows import rows_sharding
 
 GROUPED_IMPLS = ("auto", "ragged", "blocks", "dense")
 MAX_BLOCK_ROWS = 64
@@ -173,6 +177,24 @@ class MoE(nnx.Module):
         return route(self.router(x), self.k, self.router_kind, self.norm_topk_prob, x.dtype)
 
     def __call__(self, x: jax.Array, impl: str | None = None) -> jax.Array:
+        """x [..., H] -> [..., H]. Inside `rows_sharded` with x's rows [B, T, H] split over the
+        devices, each device routes and sorts its own tokens: one sort over every device's tokens
+        would gather all of them to each device (8 H100s each planned 8 sequences' expert
+        activations for a Qwen3-30B-A3B train step)."""
+        sharding = rows_sharding()
+        if sharding is None or x.ndim != 3 or not _splits(sharding, x.shape[0]):
+            return self.tokens(x, impl)
+        graphdef, state = nnx.split(self)
+        rows = P(sharding.spec[0])
+
+        def local(state, x):
+            return nnx.merge(graphdef, state).tokens(x, impl)
+
+        # the weights enter whole (gathered from their fsdp shards, as a dense layer's are)
+        return jax.shard_map(local, mesh=sharding.mesh, in_specs=(P(), rows), out_specs=rows)(state, x)
+
+    def tokens(self, x: jax.Array, impl: str | None = None) -> jax.Array:
+        """Every token of x [..., H] routed and its experts run in one sorted pass."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         impl = resolve_impl(impl or self.impl)
@@ -189,6 +211,14 @@ class MoE(nnx.Module):
         y = y * weights.reshape(-1)[order][:, None]
         out = jnp.zeros((n, shape[-1]), jnp.float32).at[order // k].add(y.astype(jnp.float32))
         return out.astype(x.dtype).reshape(shape)
+
+
+def _splits(sharding, rows: int) -> bool:
+    """Whether `sharding` splits a batch of `rows` rows over more than one device, evenly."""
+    axes = sharding.spec[0] if sharding.spec else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+    n = math.prod(sharding.mesh.shape[a] for a in axes)
+    return n > 1 and rows % n == 0
 
 
 def expert_counts(moe: MoE, x: jax.Array) -> jax.Array:

@@ -2,7 +2,9 @@
 sequences on 8 simulated CPU devices (fsdp: weights and rows over the same devices, as `python -m
 train` places them; XLA_FLAGS set by the caller), compiled; prints one JSON line: how many of the
 program's arrays have the target MLP's intermediate width over every sequence's tokens
-(`global_rows`) and over one device's (`device_rows`)."""
+(`global_rows`) and over one device's (`device_rows`); for an MoE target, also how many have the
+hidden width over the (token, expert) pairs of every sequence (`moe_global_pairs`) and of one
+device's (`moe_device_pairs`)."""
 
 import json
 import re
@@ -30,9 +32,19 @@ def main(folder: str) -> None:
     examples = [Example(rng.integers(5, 200, TOKENS).astype(np.int32), mask, i) for i in range(SEQUENCES)]
     batch = t.stepper.place_batch(batch_arrays(t.cod_batch(examples, 0)))
     text = t.stepper.lower(t.params, t.opt_state, t.frozen, batch, "cpu").compile().as_text()
-    width = target.config.intermediate_size
-    count = lambda rows: len(re.findall(rf"\[(?:1,)?{rows},{width}\]", text))  # noqa: E731
-    print(json.dumps({"global_rows": count(SEQUENCES * TOKENS), "device_rows": count(TOKENS)}))
+    c = target.config
+    count = lambda rows, width: len(re.findall(rf"\[(?:1,)?{rows},{width}\]", text))  # noqa: E731
+    got = {
+        "global_rows": count(SEQUENCES * TOKENS, c.intermediate_size),
+        "device_rows": count(TOKENS, c.intermediate_size),
+    }
+    if c.num_experts:
+        pairs = TOKENS * c.num_experts_per_tok
+        got |= {
+            "moe_global_pairs": count(SEQUENCES * pairs, c.hidden_size),
+            "moe_device_pairs": count(pairs, c.hidden_size),
+        }
+    print(json.dumps(got))
 
 
 if __name__ == "__main__":

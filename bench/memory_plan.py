@@ -88,6 +88,8 @@ CASES = [
 def run_case(case: Case, out: Path, python: str) -> None:
     """One plan run into `out`/<name>.json (written whole, after the run) and its log beside it."""
     dest, log = out / f"{case.name}.json", out / f"{case.name}.log"
+    if dest.exists():  # planned meanwhile (by another sweep over the same folder)
+        return
     tmp = dest.with_suffix(".part")
     t0 = time.perf_counter()
     with log.open("w") as fh:

@@ -194,7 +194,9 @@ class MoE(nnx.Module):
         def local(state, x):
             return nnx.merge(graphdef, state).tokens(x, impl)
 
-        # the weights enter whole (gathered from their fsdp shards, as a dense layer's are)
+        # the weights enter whole (gathered from their fsdp shards, as a dense layer's are), once
+        # this layer's input exists: free to move, XLA gathered every layer's experts up front
+        state, x = jax.lax.optimization_barrier((state, x))
         return jax.shard_map(local, mesh=sharding.mesh, in_specs=(P(), rows), out_specs=rows)(state, x)
 
     def tokens(self, x: jax.Array, impl: str | None = None) -> jax.Array:

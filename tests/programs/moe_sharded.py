@@ -2,29 +2,17 @@
 on one device and on an fsdp 2 x tensor 4 mesh of the 8 devices this process must see; prints
 one JSON line: for each placement (`False`: one device, `True`: the mesh) how many distinct
 shards the first expert stack has, the logits of a fixed batch, and the tokens of a parallel
-speculative decode; and on the mesh, how far the train step's target states move when each
-device routes its own rows (`rows_sharded`, the MoE's per-device sort) from one global sort."""
+speculative decode."""
 
 import json
 import sys
 
 import jax
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 import peagle_jax as pj
 from peagle_jax.engine import SpeculativeDecoder
-from peagle_jax.models.rows import rows_sharded
 from peagle_jax.sharding import make_mesh
-from train.step import features
-
-
-def target_states(target, ids, rows) -> np.ndarray:
-    """The train step's final-norm target states of ids, traced inside `rows_sharded(rows)`."""
-    positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-    with rows_sharded(rows):  # a fresh jit: the context is read while tracing
-        _, y = jax.jit(features, static_argnums=(0, 4))(target.graphdef, target.state, ids, positions, (0, 1, 2))
-    return np.asarray(y)
 
 
 def main(argv: list[str]) -> int:
@@ -44,9 +32,6 @@ def main(argv: list[str]) -> int:
             .generate([[3, 1, 4, 1, 5], [9, 2, 6]], max_new_tokens=8)
             .tokens
         )
-    rows = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    diff = target_states(target, ids, rows) - target_states(target, ids, None)
-    out["rows_sharded_max_diff"] = float(np.abs(diff).max())
     print(json.dumps(out))
     return 0
 

@@ -72,16 +72,17 @@ def train_start(target: str, device: str) -> tuple[str, ...]:
     return ("--tokens", "65536" if target == "Llama-3.1-8B" else "16384")
 
 
-# in the order worth waiting for: train searches, then GPU serving, one-segment searches, TPU serving
+# in the order worth waiting for: train searches, then GPU serving (8k caches first), one-segment
+# searches, TPU serving
 CASES = [
     *(
         train(d, "--search", *train_start(t, d), target=t)
         for t in TARGETS
         for d in ("h100", "h100x8", "v5e-8", "v5p-8")
     ),
-    *(serve(t, SERVE_GPU.get(t, "h100"), b, c) for t in TARGETS for c in (8192, 32768) for b in (1, 16, 64)),
+    *(serve(t, SERVE_GPU.get(t, "h100"), b, c) for c in (8192, 32768) for t in TARGETS for b in (1, 16, 64)),
     *(train("h100", "--search", "--train-flag=--loop.segments=1", tag="flat", target=t) for t in TARGETS),
-    *(serve(t, "v5p-8", b, c) for t in TARGETS for c in (8192, 32768) for b in (1, 16, 64)),
+    *(serve(t, "v5p-8", b, c) for c in (8192, 32768) for t in TARGETS for b in (1, 16, 64)),
 ]
 
 

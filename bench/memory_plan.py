@@ -320,7 +320,8 @@ def publish_fits(plan: dict) -> Path:
         "KV-cache length, on one H100 or, where the bf16 target leaves no room for a cache there, 8 H100. "
         "'none': the smallest size planned and its peak per device.",
     )
-    targets = list(dict.fromkeys(r[0] for r in plan["rows"]))
+    order = {t: i for i, t in enumerate(TARGETS)}  # the presets' order; others after, as they come
+    targets = sorted(dict.fromkeys(r[0] for r in plan["rows"]), key=lambda t: order.get(t.split(" x")[0], len(order)))
     data["columns"] = ["target x layers", *(c[0] for c in FITS_COLUMNS)]
     data["rows"] = [
         [t, *(fits_cell([r for r in plan["rows"] if r[0] == t], *c[1:]) for c in FITS_COLUMNS)] for t in targets

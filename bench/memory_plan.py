@@ -318,7 +318,7 @@ def publish_fits(plan: dict) -> Path:
         "whose step (the default 1-layer P-EAGLE head, AdamW) fits; '≥' where the search stopped at its last "
         "size still fitting. Serve: the largest batch of 1, 16 and 64 whose P-EAGLE round (K = 7) fits at that "
         "KV-cache length, on one H100 or, where the bf16 target leaves no room for a cache there, 8 H100. "
-        "'none': the smallest size planned and its peak per device.",
+        "'none': the smallest size planned and its peak per device; '-': not planned yet.",
     )
     order = {t: i for i, t in enumerate(TARGETS)}  # the presets' order; others after, as they come
     targets = sorted(dict.fromkeys(r[0] for r in plan["rows"]), key=lambda t: order.get(t.split(" x")[0], len(order)))

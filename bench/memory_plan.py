@@ -5,8 +5,9 @@ and TPU compilers, abstract weights, the target's real layer count) whose JSON l
 one file per case; a case whose file exists is not run again, so an interrupted sweep resumes.
 `--publish` turns every case file there into bench/results/memory_plan.json (with
 roofline_estimate.json, the programs' estimates, and memory_fits.json, what fits per target and
-device read off the plan's rows), which `bench/render_results.py` renders into docs/benchmarks.md; `--publish --merge` replaces only the
-rows of the programs those files hold (a few cases planned again on a machine without the rest).
+device read off the plan's rows), which `bench/render_results.py` renders into
+docs/benchmarks.md; `--publish --merge` replaces only the rows of the programs those files hold
+(a few cases planned again on a machine without the rest).
 
     .venv-compile/bin/python bench/memory_plan.py [--only SUBSTRING] [--jobs N] [--out DIR] [--publish [--merge]]
 

@@ -65,12 +65,15 @@ TARGETS = ("Llama-3.1-8B", "Qwen3-8B", "Qwen3-30B-A3B", "Gemma-3-270M", "Gemma-3
 SERVE_GPU = {"Qwen3-30B-A3B": "h100x8", "Gemma-3-27B": "h100x8", "GPT-OSS-120B": "h100x8"}
 
 
+# where v5p-8 searches start: sizes a v5p chip surely fits (6x a v5e chip's memory, the weights split
+# 4 ways instead of 8: at least the v5e-8 search's longest; GPT-OSS-120B, none on v5e-8, from 4k), so
+# the minutes-long TPU compiles go to the sizes in question
+V5P_START = {"Llama-3.1-8B": 65536, "Qwen3-8B": 65536, "Qwen3-30B-A3B": 16384, "Gemma-3-270M": 131072,
+             "Gemma-3-1B": 65536, "Gemma-3-27B": 16384, "GPT-OSS-20B": 16384, "GPT-OSS-120B": 4096}  # fmt: skip
+
+
 def train_start(target: str, device: str) -> tuple[str, ...]:
-    """v5p-8 searches from 16k (Llama-3.1-8B from 64k): a TPU step takes minutes to compile on 2 cores
-    and the shorter steps fit 95 GiB chips with room to spare."""
-    if device != "v5p-8":
-        return ()
-    return ("--tokens", "65536" if target == "Llama-3.1-8B" else "16384")
+    return ("--tokens", str(V5P_START[target])) if device == "v5p-8" else ()
 
 
 # in the order worth waiting for: train searches, then GPU serving (8k caches first), one-segment

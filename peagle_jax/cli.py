@@ -8,7 +8,11 @@ import gc
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class UsageError(Exception):
@@ -128,6 +132,27 @@ def check_interrupted() -> None:
     way up): call it between phases of the work."""
     if _received and not _deferring:
         raise KeyboardInterrupt(f"interrupted by signal {_received[0]}")
+
+
+def interruptible(fn: Callable[[], T]) -> T:
+    """`fn()` on a worker thread while this one waits for it: an interrupt ends the wait at once
+    even when `fn` sits for minutes in native code that Python cannot stop (an XLA compile), where
+    the handler would only run once it returned. The abandoned worker is a daemon thread: `run`
+    ends the process with os._exit, the interpreter's shutdown does not wait for it."""
+    done: dict = {}
+
+    def work():
+        try:
+            done["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the waiting thread
+            done["error"] = err
+
+    worker = threading.Thread(target=work, name="interruptible", daemon=True)
+    worker.start()
+    worker.join()  # a lock wait: a signal's handler runs in it (and raises the interrupt)
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
 
 
 @contextlib.contextmanager

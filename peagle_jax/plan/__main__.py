@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from peagle_jax.cli import OneLineParser, run
+from peagle_jax.folders import atomic_write_text
 from peagle_jax.plan.devices import deviceless_env, parse_device
 from peagle_jax.plan.presets import PRESETS, target_config
 
@@ -69,7 +70,7 @@ def work(args) -> int:
 
     result = plan(args, args.device, target_config(args.target, args.layers))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        atomic_write_text(args.json, json.dumps(result, indent=1) + "\n")
     return 0 if planned_ok(result) else 1
 
 

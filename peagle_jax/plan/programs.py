@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kernels
+from peagle_jax.cli import interruptible
 from peagle_jax.drafter import Drafter, head_config
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
@@ -100,7 +101,7 @@ def compile_program(name: str, trace) -> Program:
         flops = jaxpr_flops(traced.jaxpr)
         lowered = traced.lower()
         text = lowered.as_text()
-        compiled = lowered.compile()
+        compiled = interruptible(lowered.compile)  # minutes in XLA: an interrupt must not wait for it
     except Exception as err:  # the compiler's refusal (RESOURCE_EXHAUSTED, ...) is the result
         msg = " ".join(str(err).split())
         return Program(

@@ -109,6 +109,7 @@ def plan(args, device: Device, tcfg) -> dict:
                     args.job, [mode], target, tokens=tokens, batch=b, k=args.k, cache_len=args.cache_len,
                     flags=args.train_flag,
                 )  # fmt: skip
+                print(f"compiling {name} ...", flush=True)  # minutes, for a TPU step on a few cores
                 p = compile_program(name, trace)
                 print(line(p, device, args.headroom), flush=True)
                 results.append(_record(p, device, args.headroom, tokens=tokens, batch=b, cache_len=args.cache_len))

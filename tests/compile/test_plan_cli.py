@@ -1,15 +1,20 @@
 """`python -m peagle_jax.plan` end to end, as a user runs it (a subprocess of this venv's Python):
 a folder holding only config.json planned on a v5e-8, a program that compiles but passes the
-memory share a plan allows (exit 1), the compiler's refusal of a cache that cannot fit, and flags it cannot use (exit 2, one line naming the flag)."""
+memory share a plan allows (exit 1), the compiler's refusal of a cache that cannot fit, flags it
+cannot use (exit 2, one line naming the flag), and an interrupt in the middle of a compile."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+from limits import HANG_S
 
 from peagle_jax.plan.presets import PRESETS
 
@@ -86,3 +91,25 @@ def test_a_bad_flag_is_one_line_and_exit_2(flag, args):
     assert done.returncode == 2
     (message,) = done.stderr.strip().splitlines()
     assert message.startswith("error:") and flag in message
+
+
+def test_an_interrupt_in_the_middle_of_a_compile_ends_the_plan_at_once(tmp_path):
+    """XLA compiles in native code, where Python runs no signal handler: the plan compiles on a
+    worker thread, so SIGINT ends it (exit 130, one line, no JSON) while the compiler is still at
+    work. The compiler's dumps tell where it was: the module before its passes is written, the
+    optimized one never is (a compile on the main thread would finish first)."""
+    dump, out = tmp_path / "xla", tmp_path / "plan.json"
+    env = {**os.environ, "XLA_FLAGS": f"--xla_dump_to={dump}"}
+    cmd = [sys.executable, "-m", "peagle_jax.plan", "--target", "Llama-3.1-8B", "--device", "h100", "--job", "train"]
+    cmd += ["--layers", "3", "--modes", "parallel", "--json", str(out)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + HANG_S
+    while proc.poll() is None and time.monotonic() < deadline and not list(dump.glob("*before_optimizations.txt")):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the plan ended before its compile began"
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=HANG_S)
+    assert proc.returncode == 130
+    assert [ln for ln in stderr.splitlines() if ln.startswith("error:")] == ["error: interrupted"]
+    assert not list(dump.glob("*after_optimizations*")), "the compile ran to its end before the plan stopped"
+    assert not out.exists()

@@ -222,8 +222,10 @@ def merged(old: list, new: list, key) -> list:
 
 
 def program_of(row: list) -> str:
-    """A published row's program: target, program and device (rows of one search share it)."""
-    return f"{row[0]} {row[2]} on {row[1]}"
+    """What a published row plans, the unit a merge replaces and `planned_at` dates: a train
+    search (target, program, device; its rows go together), or one serving case (batch and cache)."""
+    name = f"{row[0]} {row[2]} on {row[1]}"
+    return f"{name} ({row[3]}, cache {row[4]})" if row[2].startswith("serve/") else name
 
 
 def write_published(data: dict, name: str, merge: bool) -> Path:
@@ -236,7 +238,7 @@ def write_published(data: dict, name: str, merge: bool) -> Path:
         old = json.loads(dest.read_text())
         when = old.get("planned_at") or {program_of(r): f"{old['commit']} ({old['date']})" for r in old["rows"]}
         when |= {program_of(r): f"{data['commit']} ({data['date']})" for r in data["rows"]}
-        data["rows"] = merged(old["rows"], data["rows"], lambda row: tuple(row[:3]))
+        data["rows"] = merged(old["rows"], data["rows"], program_of)
         longest_notes = [n for n in old["notes"] if n.startswith(LONGEST)]
         notes = merged(longest_notes, data["notes"], lambda note: note.split(":")[0])
         data["planned_at"] = {p: when[p] for p in dict.fromkeys(map(program_of, data["rows"]))}
@@ -246,13 +248,25 @@ def write_published(data: dict, name: str, merge: bool) -> Path:
 
 
 def planned_note(planned_at: dict) -> str:
-    """Which rows were planned at which commit: each commit but the most common one with its programs."""
+    """Which rows were planned at which commit: each commit but the most common one with its
+    programs (a program's serving cases named together when they were all planned at that commit)."""
     by: dict[str, list] = {}
     for program, when in planned_at.items():
         by.setdefault(when, []).append(program)
     most = max(by, key=lambda w: len(by[w]))
-    named = [f"Planned at {w}: {'; '.join(ps)}." for w, ps in by.items() if w != most]
-    return " ".join([*named, f"The other rows: at {most}." if named else f"Planned at {most}."])
+    return " ".join([*(f"Planned at {w}: {'; '.join(program_names(ps, planned_at))}." for w, ps in by.items() if w != most),
+                     f"The other rows: at {most}." if len(by) > 1 else f"Planned at {most}."])  # fmt: skip
+
+
+def program_names(programs: list[str], planned_at: dict) -> list[str]:
+    """`programs` (keys of `planned_at`), each serving program whose cases are all among them once,
+    by its name without the case."""
+    out = []
+    for p in programs:
+        whole = p.split(" (")[0]
+        cases = [q for q in planned_at if q.split(" (")[0] == whole]
+        out.append(whole if set(cases) <= set(programs) else p)
+    return list(dict.fromkeys(out))
 
 
 def publish_estimates(results: list[dict], merge: bool = False) -> Path:

@@ -74,6 +74,35 @@ def test_a_merged_publish_keeps_the_other_rows_and_notes(tmp_path, monkeypatch):
     assert len(unmerged["rows"]) == 2  # a full publish writes only what it planned
 
 
+def test_a_merged_serving_case_replaces_only_its_batch_and_cache(tmp_path, monkeypatch):
+    """Serving rows are cases of their own: planning the 32k cache again keeps the 8k rows of the
+    same program, and the note names a program's cases only when some of them are older."""
+    mod = _module()
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+
+    def publish(commit: str, rows: list) -> dict:
+        new = {"commit": commit, "date": "2026-12-01", "rows": rows, "notes": []}
+        return json.loads(mod.write_published(new, "plan", merge=True).read_text())
+
+    serve = [["L x32", "v5p-8", "serve/decode", f"batch {b}", c] for c in ("8,192", "32,768") for b in (1, 16)]
+    train = [["L x32", d, "train/parallel", "4,096", "-"] for d in ("h100", "h200", "v5e-8", "v6e-8")]
+    publish("aaa", [serve[0], serve[1], train[0]])
+    data = publish("bbb", [serve[2] + ["new"], serve[3] + ["new"]])
+    assert data["rows"] == [serve[0], serve[1], train[0], serve[2] + ["new"], serve[3] + ["new"]]
+    assert data["planned_at"]["L x32 serve/decode on v5p-8 (batch 16, cache 8,192)"] == "aaa (2026-12-01)"
+    assert data["notes"][-1] == (
+        "Planned at bbb (2026-12-01): L x32 serve/decode on v5p-8 (batch 1, cache 32,768); L x32 serve/decode on "
+        "v5p-8 (batch 16, cache 32,768). The other rows: at aaa (2026-12-01)."
+    )
+    publish("ccc", serve)  # every case of the program again: the note names it once
+    data = publish("ddd", [*train, ["L x32", "v5p-16", "train/parallel", "4,096", "-"]])
+    assert (
+        data["notes"][-1]
+        == "Planned at ccc (2026-12-01): L x32 serve/decode on v5p-8. The other rows: at ddd (2026-12-01)."
+    )
+
+
 def _row(device, program, size, cache, peak, verdict):
     return ["T x2", device, program, size, cache, "1.00", "1.00", peak, "80.0", "1.00", verdict, "10"]
 

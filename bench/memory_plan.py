@@ -254,8 +254,8 @@ def planned_note(planned_at: dict) -> str:
     for program, when in planned_at.items():
         by.setdefault(when, []).append(program)
     most = max(by, key=lambda w: len(by[w]))
-    return " ".join([*(f"Planned at {w}: {'; '.join(program_names(ps, planned_at))}." for w, ps in by.items() if w != most),
-                     f"The other rows: at {most}." if len(by) > 1 else f"Planned at {most}."])  # fmt: skip
+    named = [f"Planned at {w}: {'; '.join(program_names(ps, planned_at))}." for w, ps in by.items() if w != most]
+    return " ".join([*named, f"The other rows: at {most}." if named else f"Planned at {most}."])
 
 
 def program_names(programs: list[str], planned_at: dict) -> list[str]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import subprocess
 import sys
@@ -221,27 +222,34 @@ def merged(old: list, new: list, key) -> list:
     return out + [item for k, items in groups.items() if k not in done for item in items]
 
 
-def program_of(row: list) -> str:
+def plan_case(row: list) -> str:
+    """A memory-plan serving row's case: its batch and cache columns."""
+    return f"{row[3]}, cache {row[4]}"
+
+
+def program_of(row: list, case=plan_case) -> str:
     """What a published row plans, the unit a merge replaces and `planned_at` dates: a train
-    search (target, program, device; its rows go together), or one serving case (batch and cache)."""
+    search (target, program, device; its rows go together), or one serving case (`case(row)`:
+    batch and cache)."""
     name = f"{row[0]} {row[2]} on {row[1]}"
-    return f"{name} ({row[3]}, cache {row[4]})" if row[2].startswith("serve/") else name
+    return f"{name} ({case(row)})" if row[2].startswith("serve/") else name
 
 
-def write_published(data: dict, name: str, merge: bool) -> Path:
+def write_published(data: dict, name: str, merge: bool, case=plan_case) -> Path:
     """bench/results/<name>.json. With `merge`, the published rows of the programs the new cases
-    did not plan are kept (rows keyed by target, device and program; "Longest ..." notes by what
-    they name), and `planned_at` records the commit each program was planned at, across merges
-    (a note names them; the commit of most programs as "the other rows")."""
+    did not plan are kept (rows keyed by `program_of`; "Longest ..." notes by what they name), and
+    `planned_at` records the commit each program was planned at, across merges (a note names
+    them; the commit of most programs as "the other rows")."""
     dest, data = ROOT / "bench" / "results" / f"{name}.json", dict(data)
     if merge and dest.exists():
         old = json.loads(dest.read_text())
-        when = old.get("planned_at") or {program_of(r): f"{old['commit']} ({old['date']})" for r in old["rows"]}
-        when |= {program_of(r): f"{data['commit']} ({data['date']})" for r in data["rows"]}
-        data["rows"] = merged(old["rows"], data["rows"], program_of)
+        key = functools.partial(program_of, case=case)
+        when = old.get("planned_at") or {key(r): f"{old['commit']} ({old['date']})" for r in old["rows"]}
+        when |= {key(r): f"{data['commit']} ({data['date']})" for r in data["rows"]}
+        data["rows"] = merged(old["rows"], data["rows"], key)
         longest_notes = [n for n in old["notes"] if n.startswith(LONGEST)]
         notes = merged(longest_notes, data["notes"], lambda note: note.split(":")[0])
-        data["planned_at"] = {p: when[p] for p in dict.fromkeys(map(program_of, data["rows"]))}
+        data["planned_at"] = {p: when[p] for p in dict.fromkeys(map(key, data["rows"]))}
         data["notes"] = [*notes, planned_note(data["planned_at"])]
     dest.write_text(json.dumps(data, indent=1) + "\n")
     return dest
@@ -290,7 +298,7 @@ def publish_estimates(results: list[dict], merge: bool = False) -> Path:
     ]  # fmt: skip
     data["rows"] = [row for r in results for row in estimate_rows(r)]
     data["notes"] = ["Cases compiled without the estimate (the other rows of the memory plans) are not listed."]
-    return write_published(data, "roofline_estimate", merge)
+    return write_published(data, "roofline_estimate", merge, case=lambda row: row[3])  # "batch B, cache C"
 
 
 # what fits, per target: (column, devices, program, cache) over the memory plans' rows

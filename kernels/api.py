@@ -13,7 +13,7 @@ from . import _common as C
 from . import chain as _chain
 from . import dense as _dense
 from . import reference as _reference
-from .partition import per_shard
+from .partition import local_rows, per_shard
 from .schedule import DEFAULT_NUM_RANGES, build_schedule, pad_rows
 from .spec import AttentionSpec
 
@@ -155,7 +155,17 @@ def attention(
         return (out, lse) if return_lse else out
 
     D = q.shape[-1]
-    blocks = fit_blocks(backend, block_q, block_k, q.shape[1], k.shape[1], D, jnp.dtype(q.dtype).itemsize)
+    blocks = fit_blocks(
+        backend,
+        block_q,
+        block_k,
+        q.shape[1],
+        k.shape[1],
+        D,
+        jnp.dtype(q.dtype).itemsize,
+        local_rows(q.shape[0]),
+        num_ranges,
+    )
     if blocks is None:  # the device cannot hold the kernel's tiles: the blockwise XLA path instead
         warnings.warn(FALLBACK.format(backend=backend, D=D, dtype=q.dtype), stacklevel=2)
         backend, blocks = "xla", fit_blocks("xla", None, None, q.shape[1], k.shape[1], D, 4)
@@ -202,14 +212,19 @@ FALLBACK = (
 )
 
 
-def fit_blocks(backend: str, block_q, block_k, Tq: int, Tk: int, head_dim: int, itemsize: int):
+def fit_blocks(
+    backend: str, block_q, block_k, Tq: int, Tk: int, head_dim: int, itemsize: int, rows=1, ranges=DEFAULT_NUM_RANGES
+):
     """(block_q, block_k) of a blockwise backend for this shape on the device traced for
     (`kernels.limits`): the given sizes or DEFAULT_BLOCKS, shortened for short sequences and
-    shrunk to the device's memory; None when the Pallas kernel cannot be served at all."""
+    shrunk to the device's memory (TPU: grown for the SMEM of a long sequence's schedule over
+    `rows` rows a device); None when the Pallas kernel cannot be served at all."""
     dq_, dk_ = DEFAULT_BLOCKS[backend]
     bq, bk = int(block_q or dq_), int(block_k or dk_)
     if backend == "xla":
         return min(bq, _ceil_to(Tq, 8)), min(bk, _ceil_to(Tk, 8))
+    if backend == "tpu":
+        return _backend_module(backend).fit_blocks(bq, bk, Tq, Tk, head_dim, itemsize, rows, ranges)
     return _backend_module(backend).fit_blocks(bq, bk, Tq, Tk, head_dim, itemsize)
 
 

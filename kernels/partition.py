@@ -19,7 +19,7 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["partitioned", "per_shard"]
+__all__ = ["partitioned", "per_shard", "local_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +53,16 @@ def _axes_dividing(mesh, axes: tuple[str, ...], *dims: int):
     if not axes or size == 1 or any(d % size for d in dims):
         return None
     return axes if len(axes) > 1 else axes[0]
+
+
+def local_rows(batch: int) -> int:
+    """The rows of a batch of `batch` that each device's kernel call sees under the active
+    `partitioned` context (`per_shard` splits them over its batch axes when they divide)."""
+    part = _PARTITION.get()
+    axes = None if part is None else _axes_dividing(part.mesh, part.batch, batch)
+    if axes is None:
+        return batch
+    return batch // math.prod(part.mesh.shape[a] for a in ((axes,) if isinstance(axes, str) else axes))
 
 
 # layouts of kernel operands, by the position of their batch ("b") and head ("h") dimensions

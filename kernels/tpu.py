@@ -54,9 +54,23 @@ def vmem_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int) -> int:
     return io + scratch + tiles + meta
 
 
-def fit_blocks(block_q: int, block_k: int, Tq: int, Tk: int, head_dim: int = 128, itemsize: int = 2):
+# SMEM for the scalar-prefetched schedule: 3/4 of a TensorCore's 1 MiB (the kernels' other scalars
+# take the rest); a v5p refused the dK/dV kernel of a 1,048,576-token sequence at 128-row blocks
+# (1,157,120 bytes of SMEM operands)
+SCHEDULE_SMEM = 3 << 18
+
+
+def schedule_bytes(rows: int, T: int, block: int, ranges: int) -> int:
+    """SMEM of one schedule: per (row, block of T) `ranges` (start, offset) pairs, the step count
+    and the full-block range."""
+    return 4 * rows * -(-T // block) * (2 * ranges + 3)
+
+
+def fit_blocks(block_q: int, block_k: int, Tq: int, Tk: int, head_dim=128, itemsize=2, rows=1, ranges=16):
     """Multiples of 128, no larger than needed for short sequences, halved (the larger first)
-    until `vmem_bytes` fits the traced-for TPU's scoped VMEM (`kernels.limits`)."""
+    until `vmem_bytes` fits the traced-for TPU's scoped VMEM (`kernels.limits`), then doubled
+    while the schedules of `rows` rows (the forward's over query blocks, dK/dV's over KV blocks)
+    outgrow SCHEDULE_SMEM; None when no size fits both."""
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if b % LANES:
             raise ValueError(f"tpu backend: {name}={b} must be a multiple of {LANES}")
@@ -71,6 +85,12 @@ def fit_blocks(block_q: int, block_k: int, Tq: int, Tk: int, head_dim: int = 128
     limit = limits.current("tpu").vmem_bytes
     while vmem_bytes(bq, bk, head_dim, itemsize) > limit and (bq, bk) != (LANES, LANES):
         bq, bk = (half(bq), bk) if bq >= bk else (bq, half(bk))
+    while schedule_bytes(rows, Tq, bq, ranges) > SCHEDULE_SMEM and bq < ceil(Tq):
+        bq = min(2 * bq, ceil(Tq))
+    while schedule_bytes(rows, Tk, bk, ranges) > SCHEDULE_SMEM and bk < ceil(Tk):
+        bk = min(2 * bk, ceil(Tk))
+    if vmem_bytes(bq, bk, head_dim, itemsize) > limit:
+        return None
     return bq, bk
 
 

@@ -119,6 +119,7 @@ def test_partitioned_kernels_match_the_unpartitioned_ones():
     assert got["manual_attention"] >= 1 and got["manual_decode"] >= 1, got
     for name in ("out", "lse", "grads", "decode"):
         assert got[name] <= 1e-5, (name, got)
+    assert got["local_rows"] == [1, 3]  # 4 rows over data 2 x fsdp 2; 3 rows do not split
 
 
 ROWS_PROGRAM = Path(__file__).resolve().parent / "programs" / "target_rows_on_mesh.py"

@@ -33,13 +33,13 @@ def grads(q, k, v, a, d, c, sinks, *, window, softcap):
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q, k, v, sinks)
 
 
-def compiled(platform, devices, shape, dtype=jnp.bfloat16, batch=1, mesh_axes=None):
+def compiled(platform, devices, shape, dtype=jnp.bfloat16, batch=1, mesh_axes=None, tokens=T):
     _, hq, hkv, d, window, softcap, sinks = shape
     mesh = Mesh(devices, ("x",))
     row = NamedSharding(mesh, P(mesh_axes))
     sd = lambda s, t, sh=row: jax.ShapeDtypeStruct(s, t, sharding=sh)  # noqa: E731
-    args = [sd((batch, T, hq, d), dtype), sd((batch, T, hkv, d), dtype), sd((batch, T, hkv, d), dtype)]
-    args += [sd((batch, T), jnp.int32)] * 3 + [sd((hq,), jnp.float32, NamedSharding(mesh, P())) if sinks else None]
+    args = [sd((batch, tokens, hq, d), dtype), sd((batch, tokens, hkv, d), dtype), sd((batch, tokens, hkv, d), dtype)]
+    args += [sd((batch, tokens), jnp.int32)] * 3 + [sd((hq,), jnp.float32, NamedSharding(mesh, P())) if sinks else None]
     fn = jax.jit(lambda *a: grads(*a, window=window, softcap=softcap))
     part = kernels.partitioned(mesh, batch=("x",)) if mesh_axes else _nothing()
     with kernels.for_platform(platform), on_device(DEVICE[platform]), part:
@@ -84,3 +84,18 @@ def test_partitioned_kernels_compile_on_8_devices(topologies, platform):
     text, exe = compiled(platform, topologies[platform], SHAPES[1], batch=8, mesh_axes="x")
     assert "sdy.manual_computation" in text or "shard_map" in text or "manual" in text
     assert exe.memory_analysis().argument_size_in_bytes > 0
+
+
+def test_a_million_token_schedule_fits_the_tpu_smem(topologies, monkeypatch):
+    """At 128-row blocks the scalar-prefetched schedule of a 1,048,576-token sequence outgrows a
+    TPU core's SMEM (a v5p refused the dK/dV kernel of Gemma-3-270M's train step there):
+    `fit_blocks` grows the blocks until it fits; sized by VMEM alone they are refused."""
+    from kernels import tpu
+
+    shape, tokens = ("one head", 1, 1, 128, None, None, False), 1 << 20
+    assert tpu.fit_blocks(128, 128, tokens, tokens) == (256, 256)
+    text, _ = compiled("tpu", topologies["tpu"][:1], shape, tokens=tokens)
+    assert text.count("tpu_custom_call") >= 3
+    monkeypatch.setattr(tpu, "SCHEDULE_SMEM", 1 << 30)  # the blocks as the VMEM alone sizes them
+    with pytest.raises(Exception, match="smem"):
+        compiled("tpu", topologies["tpu"][:1], shape, tokens=tokens)

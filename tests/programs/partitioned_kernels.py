@@ -1,8 +1,9 @@
 """`python tests/programs/partitioned_kernels.py`: the Pallas kernels (interpreted on CPU) run per
 shard of a (data 2, fsdp 2, tensor 2) mesh of 8 simulated devices (`kernels.partitioned`) against
 the same kernels unpartitioned: the P-EAGLE attention's output, lse and gradients, and decode
-attention. Prints one JSON line: the largest absolute difference of each, and how many
-shard_map regions each partitioned program has (`manual_*`: 0 would mean it ran unpartitioned)."""
+attention. Prints one JSON line: the largest absolute difference of each, how many shard_map
+regions each partitioned program has (`manual_*`: 0 would mean it ran unpartitioned), and the rows
+a device's kernel sees of 4 and of 3 rows (`local_rows`, which sizes the TPU schedule)."""
 
 import json
 
@@ -13,6 +14,7 @@ import numpy as np
 import kernels
 from kernels import decode
 from kernels.layouts import cod_layout
+from kernels.partition import local_rows
 from peagle_jax.sharding import kernels_partitioned, make_mesh
 
 
@@ -57,6 +59,8 @@ def main() -> None:
 
     (a, _), (b, manual) = (run(dec, qd, kc, vc, on_mesh=m) for m in (False, True))
     res |= {"decode": float(jnp.max(jnp.abs(a - b))), "manual_decode": manual}
+    with kernels_partitioned(mesh):
+        res["local_rows"] = [local_rows(4), local_rows(3)]
     print(json.dumps(res))
 
 

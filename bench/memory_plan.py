@@ -67,9 +67,10 @@ SERVE_GPU = {"Qwen3-30B-A3B": "h100x8", "Gemma-3-27B": "h100x8", "GPT-OSS-120B":
 
 
 # where v5p-8 searches start: sizes a v5p chip surely fits (6x a v5e chip's memory, the weights split
-# 4 ways instead of 8: at least the v5e-8 search's longest; GPT-OSS-120B, none on v5e-8, from 4k), so
-# the minutes-long TPU compiles go to the sizes in question
-V5P_START = {"Llama-3.1-8B": 65536, "Qwen3-8B": 65536, "Qwen3-30B-A3B": 16384, "Gemma-3-270M": 131072,
+# 4 ways instead of 8: at least the v5e-8 search's longest; GPT-OSS-120B, none on v5e-8, from 4k;
+# Qwen3-30B-A3B, whose MoE step compiles slowest, from 131,072: 40 GiB a chip), so the minutes-long
+# TPU compiles go to the sizes in question
+V5P_START = {"Llama-3.1-8B": 65536, "Qwen3-8B": 65536, "Qwen3-30B-A3B": 131072, "Gemma-3-270M": 131072,
              "Gemma-3-1B": 65536, "Gemma-3-27B": 16384, "GPT-OSS-20B": 16384, "GPT-OSS-120B": 4096}  # fmt: skip
 
 

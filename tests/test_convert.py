@@ -71,7 +71,7 @@ def test_roundtrip_f32_is_bit_exact(fmt, own, tmp_path, capsys):
     rc, out, err = run(capsys, "export", src, tmp_path / "x", "--format", fmt, "--dtype", "float32")
     assert rc == 0, err
     assert "wrote" in out
-    assert "serve: vllm serve" in out
+    assert "&& vllm serve " in out  # a P-EAGLE head: pinned to the releases that serve it
     floats = {t.dtype for k, t in folder_tensors(tmp_path / "x").items() if k not in ("d2t", "t2d")}
     assert floats == {np.dtype(np.float32)}
     rc, _, err = run(capsys, "import", tmp_path / "x", tmp_path / "back")
@@ -192,7 +192,11 @@ def test_subprocess_cli(own, tmp_path):
     assert "error" not in res.stderr
     assert "warning" not in res.stderr
     res = subprocess.run(
-        cmd + ["inspect", str(tmp_path / "x"), "--json"], capture_output=True, text=True, cwd=REPO, timeout=HANG_S
+        cmd + ["inspect", str(tmp_path / "x"), "--json", "--vllm-version", "0.33"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=HANG_S,
     )
     assert res.returncode == 0, res.stderr
     report = json.loads(res.stdout)
@@ -244,7 +248,7 @@ def test_sharded_export_reads_back(fmt, own, tmp_path, capsys):
     for s in shards:
         part = load_file(str(tmp_path / "x" / s))
         assert sum(t.nbytes for t in part.values()) <= limit or len(part) == 1
-    assert run(capsys, "inspect", tmp_path / "x")[0] == 0
+    assert run(capsys, "inspect", tmp_path / "x", "--vllm-version", "0.33")[0] == 0
     assert run(capsys, "import", tmp_path / "x", tmp_path / "back")[0] == 0
     same_arrays(load_drafter(tmp_path / "back").arrays(), d.arrays())
 
@@ -357,7 +361,7 @@ def test_hand_built_folder_imports(variant, tmp_path, capsys):
     tensors = hand_tensors(**tkw)
     config = vllm_config(**ckw) if fmt == "vllm" else speculators_cfg(**ckw)
     src = write_folder(tmp_path / "src", config, tensors)
-    rc, out, err = run(capsys, "inspect", src, "--json")
+    rc, out, err = run(capsys, "inspect", src, "--json", "--vllm-version", "0.33")
     assert rc == 0, out
     report = json.loads(out)
     assert report["format"] == fmt
@@ -382,11 +386,15 @@ def test_hand_built_folder_imports(variant, tmp_path, capsys):
 
 # ---------------------------------------------------------------------------------------
 # what vLLM 0.33 loads from an export: its tensors, config flags and verifier, and the printed serve command
-def serve_spec(out: str) -> tuple[dict, str]:
-    """(the --speculative-config dict, the rest of the line) of the printed serve command."""
+PIN = 'pip install "vllm>=0.16,<0.34" && '
+
+
+def serve_spec(out: str, pinned: bool = False) -> tuple[dict, str]:
+    """(the --speculative-config dict, the rest of the line) of the printed vLLM serve command;
+    `pinned`: the command must install a vLLM release that serves P-EAGLE heads first."""
     line = next(x for x in out.splitlines() if x.startswith("serve: "))
     head, spec, tail = line.split("'")
-    assert head == "serve: vllm serve TARGET --speculative-config ", line
+    assert head == "serve: " + PIN * pinned + "vllm serve TARGET --speculative-config ", line
     return json.loads(spec), tail
 
 
@@ -435,12 +443,17 @@ def test_export_prints_the_serve_command(fmt, mode, k_train, want_k, tmp_path, c
     random_drafter(mode=mode, k_train=k_train).save(tmp_path / "own")
     rc, out, err = run(capsys, "export", tmp_path / "own", tmp_path / "x", "--format", fmt)
     assert rc == 0, err
-    spec, tail = serve_spec(out)
-    want = {"method": "eagle3", "model": str((tmp_path / "x").absolute()), "num_speculative_tokens": want_k}
+    spec, tail = serve_spec(out, pinned=mode == "parallel")
+    folder = (tmp_path / "x").absolute()
+    want = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": want_k}
     if mode == "parallel":
         want["parallel_drafting"] = True
     assert spec == want
     assert tail == ""
+    ours = f"serve: python -m infer generate --target TARGET --drafter {folder} --k {want_k} --prompt TEXT"
+    assert [x for x in out.splitlines() if x.startswith("serve: ")][1:] == [ours]
+    notes = [x for x in out.splitlines() if "vLLM 0.34 and later refuse P-EAGLE heads" in x]
+    assert len(notes) == (mode == "parallel"), out
 
 
 def test_export_for_a_target_without_aux_capture(tmp_path, capsys):
@@ -449,7 +462,7 @@ def test_export_for_a_target_without_aux_capture(tmp_path, capsys):
     random_drafter(target_model_type="gemma3").save(tmp_path / "own")
     rc, out, err = run(capsys, "export", tmp_path / "own", tmp_path / "x", "--format", "vllm")
     assert rc == 0, err
-    assert serve_spec(out)[1] == " --model-impl transformers"
+    assert serve_spec(out, pinned=True)[1] == " --model-impl transformers"
 
 
 def test_export_verifier_is_recorded(own, tmp_path, capsys):
@@ -488,7 +501,7 @@ def test_truncated_safetensors(good_src, tmp_path, capsys):
     f = good_src / "model.safetensors"
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
     expect_failure(capsys, tmp_path, ["import", good_src, tmp_path / "out"], names=["model.safetensors"])
-    rc, out, _ = run(capsys, "inspect", good_src)
+    rc, out, _ = run(capsys, "inspect", good_src, "--vllm-version", "0.33")
     assert rc == 1
     assert "model.safetensors" in out
 

@@ -157,10 +157,20 @@ def test_train_end_to_end_by_hub_ids(warm, stand_in, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["data"]["records"] == 16
     assert summary["serve"].startswith(f"vllm serve {TARGET} ")  # vLLM takes the id
+    # what the trainer prints: the same lines as the converter (P-EAGLE: vLLM pinned below 0.34, and this engine)
+    assert summary["serve_lines"] == [
+        f'pip install "vllm>=0.16,<0.34" && {summary["serve"]}',
+        summary["serve_lines"][1],
+    ]
+    assert summary["serve_lines"][1].startswith(f"python -m infer generate --target {TARGET} --drafter ")
+    assert "vLLM 0.34 and later refuse P-EAGLE heads" in summary["serve_note"]
+    assert [x for x in r.stdout.splitlines() if x.startswith("serve: ")] == [
+        f"serve: {x}" for x in summary["serve_lines"]
+    ]
     assert TARGET in (out / "vllm" / "config.json").read_text()  # the head's verifier
     # the lint finds the recorded id's snapshot in the cache, offline
     r = run(
-        ["-m", "peagle_jax.convert", "inspect", str(out / "vllm"), "--json"],
+        ["-m", "peagle_jax.convert", "inspect", str(out / "vllm"), "--json", "--vllm-version", "0.33"],
         hub_env(stand_in.endpoint, home, offline=True),
     )
     assert r.returncode == 0, r.stderr
@@ -173,7 +183,7 @@ def test_convert_by_hub_ids_names_the_verifier(warm, stand_in, tmp_path):
     ours, spec = tmp_path / "ours", tmp_path / "spec"
     r = run(["-m", "peagle_jax.convert", "import", HEAD, str(ours), "--target", TARGET], env)
     assert r.returncode == 0, r.stderr
-    r = run(["-m", "peagle_jax.convert", "inspect", HEAD, "--target", TARGET, "--json"], env)
+    r = run(["-m", "peagle_jax.convert", "inspect", HEAD, "--target", TARGET, "--json", "--vllm-version", "0.33"], env)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["problems"] == []

@@ -40,7 +40,7 @@ def own(tmp_path_factory):
 
 
 def inspect_json(capsys, folder, *extra):
-    rc, out, err = run(capsys, "inspect", folder, "--json", *extra)
+    rc, out, err = run(capsys, "inspect", folder, "--json", "--vllm-version", "0.33", *extra)
     assert err == "", err
     return rc, json.loads(out)
 
@@ -49,7 +49,7 @@ def problems_of(capsys, folder, *extra) -> str:
     rc, report = inspect_json(capsys, folder, *extra)
     assert rc == 1
     assert report["problems"]
-    rc_text, text, _ = run(capsys, "inspect", folder, *extra)
+    rc_text, text, _ = run(capsys, "inspect", folder, "--vllm-version", "0.33", *extra)
     assert rc_text == 1
     assert "problem(s)" in text
     return " | ".join(report["problems"])
@@ -73,7 +73,7 @@ def test_inspect_clean_folder_reports_what_it_is(tmp_path, capsys):
     assert r["aux_layer_ids"] == [1, 3, 5]
     assert r["k_hints"] == {"k_train": 10}
     assert r["layer0_prefix"] == "midlayer."
-    rc, text, _ = run(capsys, "inspect", src)
+    rc, text, _ = run(capsys, "inspect", src, "--vllm-version", "0.33")
     assert rc == 0
     assert "OK: no problems" in text
     assert "num_speculative_tokens <= 10" in text
@@ -112,7 +112,7 @@ def test_inspect_mask_id_out_of_range(tmp_path, capsys):
 def test_inspect_max_position_below_target(tmp_path, capsys):
     src = write_folder(tmp_path / "h", vllm_config(), hand_tensors())
     tgt = write_target_config(tmp_path / "target", max_position_embeddings=4096)
-    assert run(capsys, "inspect", src)[0] == 0  # no target known: nothing to compare
+    assert run(capsys, "inspect", src, "--vllm-version", "0.33")[0] == 0  # no target known: nothing to compare
     p = problems_of(capsys, src, "--target", tgt)
     assert "max_position_embeddings 64 < the target's 4096" in p
 

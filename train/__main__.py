@@ -57,7 +57,10 @@ def train(cfg, hooks: Sequence = ()) -> int:
             f"{ev['baseline_tokens_per_second']:.1f} plain = {ev['speedup']:.2f}x"
         )
     print_advice(summary)
-    print(f"serve: {summary['serve']}")
+    if summary.get("serve_note"):
+        print(f"note: {summary['serve_note']}")
+    for line in summary["serve_lines"]:
+        print(f"serve: {line}")
     return 0
 
 

@@ -28,7 +28,7 @@ from train.metrics import MetricsLog
 from train.payoff import fastest_k, payoff
 from train.trainer import Hook, TimeBudget, Trainer, TrainError, check_target, total_steps
 
-__all__ = ["run", "TrainError", "serve_command", "check_resume"]
+__all__ = ["run", "TrainError", "serve_fields", "check_resume"]
 
 
 def _write_json(path: Path, obj) -> None:
@@ -37,14 +37,16 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def serve_command(vllm_dir: Path, target_path, k_train: int, mode: str, family: str | None = None) -> str:
-    """The vLLM command line (`peagle_jax.formats.serving.serve_command`: method eagle3, K, parallel
-    drafting, `--model-impl transformers` for target families whose native vLLM model does not
-    capture aux states); a target from the Hub is named by its id, as vLLM takes it."""
-    from peagle_jax.formats import serve_command as serve
+def serve_fields(vllm_dir: Path, target_path, k_train: int, mode: str, family: str | None = None) -> dict:
+    """The summary's `serve` (the vLLM command line, `peagle_jax.formats.serving.serve_command`),
+    `serve_lines` (what to run, `serving.serve_lines`: vLLM pinned to the releases that serve a
+    P-EAGLE head, and this project's engine) and `serve_note`; a target from the Hub is named by
+    its id, as vLLM takes it."""
+    from peagle_jax.formats import serve_command, serve_lines, serve_note
     from peagle_jax.hub import repo_id_of
 
-    return serve(vllm_dir, mode, k_train, family, target=repo_id_of(target_path) or str(target_path))
+    args = (vllm_dir, mode, k_train, family, repo_id_of(target_path) or str(target_path))
+    return {"serve": serve_command(*args), "serve_lines": serve_lines(*args), "serve_note": serve_note(mode)}
 
 
 def resolve_target(cfg: C.TrainConfig, out: Path) -> Path:
@@ -351,7 +353,7 @@ def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, 
         check_interrupted()
         summary.update(serving_advice(cfg, summary, metrics.records()))
     k_serve = summary.get("best_k", trainer.k)
-    summary["serve"] = serve_command(vllm_dir, tpath, k_serve, cfg.model.mode, target.config.model_type)
+    summary.update(serve_fields(vllm_dir, tpath, k_serve, cfg.model.mode, target.config.model_type))
     summary["wall_seconds"] = time.perf_counter() - t0
     _write_json(out / "summary.json", summary)
     metrics.close()

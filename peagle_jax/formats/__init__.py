@@ -3,7 +3,8 @@
 Reading and writing heads (`read_drafter`, `write_own`, `export_vllm`, `export_speculators`),
 their config.json facts (`read_vllm_config`, `read_speculators_config`), the lint that says
 what vLLM would trip on (`inspect_folder`, `format_report`), the serve command
-(`serve_command`), and the converter command line (`python -m peagle_jax.convert`). Everything
+(`serve_command`) and what to run to serve a head (`serve_lines`; which engine release serves
+which head kind: `engines`), and the converter command line (`python -m peagle_jax.convert`). Everything
 here works on (DrafterConfig, {path: array}); it never runs a head (`peagle_jax.engine`).
 """
 
@@ -18,7 +19,7 @@ from peagle_jax.formats.convert import export_drafter
 from peagle_jax.formats.head_config import read_speculators_config, read_vllm_config
 from peagle_jax.formats.inspect import format_report, inspect_folder
 from peagle_jax.formats.own import write_own
-from peagle_jax.formats.serving import SERVE_K, serve_command, serve_k, target_facts
+from peagle_jax.formats.serving import SERVE_K, serve_command, serve_k, serve_lines, serve_note, target_facts
 
 __all__ = [
     "SERVE_K",
@@ -34,6 +35,8 @@ __all__ = [
     "read_vllm_config",
     "serve_command",
     "serve_k",
+    "serve_lines",
+    "serve_note",
     "target_facts",
     "write_own",
 ]

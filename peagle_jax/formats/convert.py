@@ -3,10 +3,10 @@ between this project and the formats vLLM serves (docs/method.md section 6). The
 the formats are `peagle_jax.formats.checkpoints` / `peagle_jax.formats.head_config`, the lint `peagle_jax.formats.inspect`.
 
 ```
-peagle-convert export CKPT OUT --format vllm|speculators [--dtype bfloat16|float32]
+peagle-convert export CKPT OUT --format vllm|speculators [--dtype bfloat16|float32] [--as eagle3]
                [--max-shard-size 5GB] [--target DIR] [--verifier ORG/NAME] [--overwrite] [--force]
 peagle-convert import SRC OUT [--dtype float32|bfloat16] [--target DIR] [--overwrite] [--force]
-peagle-convert inspect DIR [--target DIR] [--json]
+peagle-convert inspect DIR [--target DIR] [--vllm-version X.Y] [--json]
 peagle-convert export-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-shard-size 5GB] [--overwrite]
 peagle-convert import-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-shard-size 5GB] [--overwrite]
 ```
@@ -17,8 +17,11 @@ peagle-convert import-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-s
   `model-0000i-of-0000n.safetensors` plus `model.safetensors.index.json`. The folder is written to a
   temporary sibling and renamed at the end; it is inspected there first and refused (nothing
   written) when `inspect` would report a problem, unless `--force`. With `--target`, a
-  `max_position_embeddings` below the target's is raised to it. Prints the vLLM serve command
-  (`peagle_jax.formats.inspect.serve_command`: K = the trained depth capped at 7, P-EAGLE's best served K).
+  `max_position_embeddings` below the target's is raised to it. Prints how to serve it
+  (`peagle_jax.formats.serving.serve_lines`: the vLLM command, K = the trained depth capped at 7,
+  P-EAGLE's best served K, pinned to vLLM 0.16-0.33 for a P-EAGLE head; this project's engine).
+  `--as eagle3` writes a P-EAGLE head as a plain EAGLE-3 head (no mask_hidden, no mask id), the
+  form vLLM 0.34 and later serve; it drafts one token at a time there, which it was not trained for.
 - `import`: a vLLM-native or speculators folder (EAGLE-3, P-EAGLE or DFlash) -> our checkpoint
   (`drafter.json` + `state/`); a DFlash head saved without embed_tokens / lm_head (speculators)
   takes them from `--target DIR`. Held to the bar of export: the checkpoint is inspected in its
@@ -26,7 +29,9 @@ peagle-convert import-target SRC_HF OUT [--dtype auto|float32|bfloat16] [--max-s
   nothing written, when `inspect OUT` would report a problem (NaN / Inf weights, aux ids outside the
   target's layers), unless `--force` (each problem then a `warning:` line). DFlash exports: `DFlashDraftModel` with `dflash_config`
   (vLLM native, z-lab ids = ours - 1) or speculators "dflash"; served with `"method": "dflash"`,
-  K = block_size - 1. `inspect`: the lint (`peagle_jax.formats.inspect`); exit 1 on a problem.
+  K = block_size - 1. `inspect`: the lint (`peagle_jax.formats.inspect`); exit 1 on a problem,
+  among them a head the vLLM release of `--vllm-version` refuses (default: the vLLM installed
+  beside this project, else the newest release `engines` knows).
 - `export-target` / `import-target`: a target model's Hugging Face folder, loaded and validated
   (every tensor consumed, every shape checked) and written back by this project
   (`weights.target_tensors` + `registry.hf_config`, tokenizer files copied): the HF round trip.
@@ -59,6 +64,7 @@ from peagle_jax.folders import (
     write_hf_folder,
 )
 from peagle_jax.formats.checkpoints import read_drafter, speculators_tensors, vllm_tensors
+from peagle_jax.formats.engines import NEWEST_VLLM, installed_vllm, parse_vllm_version
 from peagle_jax.formats.head_config_write import speculators_config, vllm_config
 from peagle_jax.formats.inspect import format_report, inspect_folder
 from peagle_jax.formats.own import OWN_CONFIG_FILE, write_own
@@ -79,6 +85,7 @@ __all__ = [
 ]
 
 FORMATS = ("vllm", "speculators")
+AS_KINDS = ("eagle3",)  # export --as: a head written as another kind than it was trained as
 
 
 class ConvertError(ValueError):
@@ -150,20 +157,27 @@ def export_drafter(
     verifier: str | None = None,
     overwrite: bool = False,
     force: bool = False,
+    as_kind: str | None = None,
 ) -> tuple[Path, dict]:
     """Our checkpoint (or any folder `read_drafter` reads) -> a vLLM / speculators folder.
     `verifier`: the target's hub id to record (speculators `verifier.name_or_path`); default: the
     id of a `target` that came from the Hub, else the one the head recorded. `ckpt` and `target`
-    may be Hub ids (`peagle_jax.hub`).
-    Returns (folder, its inspect report, whose `serve` is the vLLM command line)."""
+    may be Hub ids (`peagle_jax.hub`). `as_kind` "eagle3": a P-EAGLE head written as plain
+    EAGLE-3 (`as_eagle3`).
+    Returns (folder, its inspect report, whose `serve` is the vLLM command line and
+    `serve_lines` what to run)."""
     if fmt not in FORMATS:
         raise ConvertError(f"unknown format {fmt!r} ({', '.join(FORMATS)})")
+    if as_kind not in (None, *AS_KINDS):
+        raise ConvertError(f"unknown --as {as_kind!r} ({', '.join(AS_KINDS)})")
     parse_size(max_shard_size)
     ckpt, target = resolve(ckpt, "head"), None if target is None else resolve(target, "target")
     verifier = verifier or repo_id_of(target)
     dest = check_output(ckpt, out)
     check_destination(dest, overwrite, CONFIG_FILE)
     cfg, arrays = _read_head(ckpt, target)
+    warnings = [] if as_kind is None else [as_eagle3_warning(cfg, ckpt)]
+    cfg = cfg if as_kind is None else as_eagle3(cfg)
     notes: list[str] = []
     target, cfg = _fit_to_target(cfg, target, Path(ckpt), notes)
     if verifier is not None:
@@ -176,7 +190,25 @@ def export_drafter(
     check = _inspect_gate(report, target, dest, force, "the exported folder would have", "write it anyway")
     folder = write_hf_folder(dest, config, tensors, max_shard_size=max_shard_size, overwrite=overwrite, check=check)
     report["notes"] = notes + report.get("notes", [])
+    report["warnings"] = warnings + report.get("warnings", [])
     return folder, report
+
+
+def as_eagle3(cfg):
+    """A P-EAGLE head's config as a plain EAGLE-3 head's: mode chain, no mask token, so that its
+    export holds no mask_hidden and no mask id (vLLM 0.34 and later load it and draft one token
+    at a time). ConvertError for a head of another kind."""
+    if cfg.mode != "parallel":
+        raise ConvertError(f"--as eagle3 writes a P-EAGLE (parallel) head as EAGLE-3; this head's mode is {cfg.mode!r}")
+    return dataclasses.replace(cfg, mode="chain", mask_token_id=None)
+
+
+def as_eagle3_warning(cfg, ckpt) -> str:
+    return (
+        f"{ckpt}: a P-EAGLE head written as plain EAGLE-3 (mask_hidden and the mask token id left out): it was "
+        f"trained to draft all {cfg.k_train or 'K'} tokens in one pass, and drafting one token at a time it accepts "
+        "fewer (docs/benchmarks.md, 'A P-EAGLE head served as EAGLE-3')"
+    )
 
 
 def _fit_to_target(cfg, target, ckpt: Path, notes: list[str]):
@@ -332,6 +364,21 @@ def _size_arg(text: str) -> str:
     return text
 
 
+def _version_arg(text: str) -> tuple[int, int]:
+    try:
+        return parse_vllm_version(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def vllm_to_check(flag: tuple[int, int] | None) -> tuple[tuple[int, int], str]:
+    """(the vLLM release `inspect` checks serving with, where it came from)."""
+    if flag is not None:
+        return flag, "--vllm-version"
+    installed = installed_vllm()
+    return (installed, "installed") if installed is not None else (NEWEST_VLLM, "the newest release known")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="peagle-convert",
@@ -378,6 +425,13 @@ def build_parser() -> argparse.ArgumentParser:
         "verifier.name_or_path, which `vllm serve OUT` needs; default: --target's id when it came from the Hub, "
         "else the one the drafter recorded)",
     )
+    p.add_argument(
+        "--as",
+        dest="as_kind",
+        choices=AS_KINDS,
+        help="eagle3: write a P-EAGLE head as plain EAGLE-3 (no mask_hidden, no mask id), the form vLLM 0.34 and "
+        "later serve; it then drafts one token at a time, which it was not trained for",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT folder")
     p.add_argument("--force", action="store_true", help="write even when inspect reports problems")
 
@@ -421,6 +475,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="target HF folder or Hub id to check against (default: the recorded verifier, when it is here "
         "or in the Hugging Face cache)",
+    )
+    p.add_argument(
+        "--vllm-version",
+        metavar="X.Y",
+        type=_version_arg,
+        help="the vLLM release to check serving with (exit 1 when it cannot serve the head as trained; default: "
+        f"the vLLM installed here, else {NEWEST_VLLM[0]}.{NEWEST_VLLM[1]}, the newest release this lint knows)",
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
@@ -467,15 +528,17 @@ def _run(args) -> int:
             verifier=args.verifier,
             overwrite=args.overwrite,
             force=args.force,
+            as_kind=args.as_kind,
         )
         print(f"wrote {folder} ({args.format}, {args.dtype}, {len(report['files'])} file(s))", file=out)
-        for n in report.get("notes", []):
+        for n in report.get("notes", []) + ([report["serve_note"]] if report.get("serve_note") else []):
             print(f"note: {n}", file=out)
         for w in report.get("warnings", []):
             print(f"warning: {w}", file=sys.stderr)
         for p in report.get("problems", []):
             print(f"warning: (forced) {p}", file=sys.stderr)
-        print(f"serve: {report['serve']}", file=out)
+        for line in report["serve_lines"]:
+            print(f"serve: {line}", file=out)
         return 0
     if args.command == "import":
         c, report = import_drafter_folder(
@@ -493,7 +556,9 @@ def _run(args) -> int:
         return 0
     if args.command == "inspect":
         target = None if args.target is None else resolve(args.target, "target")
-        report = inspect_folder(resolve(args.dir, "head"), target=target)
+        version, source = vllm_to_check(args.vllm_version)
+        report = inspect_folder(resolve(args.dir, "head"), target=target, vllm_version=version)
+        report["vllm_version_source"] = source
         print(json.dumps(report, indent=2) if args.json else format_report(report), file=out)
         return 1 if report["problems"] else 0
     if args.command in ("export-target", "import-target"):

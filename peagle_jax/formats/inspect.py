@@ -1,5 +1,5 @@
 """The checkpoint lint (`peagle-convert inspect DIR`): what a drafter folder is, and everything
-that would stop vLLM (0.33) from serving it or silently cost acceptance.
+that would stop vLLM from serving it or silently cost acceptance.
 
 A folder's config.json is read once, by `peagle_jax.formats.head_config.head_facts` (the same facts the
 importer validates), its tensors checked by the importer's `checkpoints.check_tensors` (headers,
@@ -8,9 +8,11 @@ report lists `problems` (vLLM refuses the folder or serves it wrong: a missing t
 vLLM's EAGLE-3 loader leaves at its random init; a shape; non-finite weights; d2t in a
 full-vocabulary head; H != Ht; not 3 aux layers; a mask id outside the vocabulary; a speculators
 fc_norm only the top level names; max_position_embeddings below the target's), `warnings`,
-`notes` and `serve`, the vLLM command line (`serving.serve_command`). The target is
-`target=DIR`, else the recorded verifier when it is on this machine. Our own checkpoint is
-checked as the vLLM config it exports to, its state restored for the NaN / Inf check.
+`notes`, `serve` (the vLLM command line, `serving.serve_command`) and `serve_lines` (what to run:
+`serving.serve_lines`). The target is `target=DIR`, else the recorded verifier when it is on this
+machine. With `vllm_version`, a head that release refuses (`engines.vllm_refusal`: vLLM 0.34 and
+P-EAGLE) is a problem that names the release. Our own checkpoint is checked as the vLLM config
+it exports to, its state restored for the NaN / Inf check.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from peagle_jax.config import NUM_AUX, ConfigError, read_json
 from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.folders import CONFIG_FILE
 from peagle_jax.formats.checkpoints import FLOAT_DTYPES, check_tensors
+from peagle_jax.formats.engines import FIRST_PARALLEL, HEAD_KINDS, NEWEST_VLLM, serving_vllm, version_text, vllm_refusal
 from peagle_jax.formats.finite import non_finite, non_finite_tensors
 from peagle_jax.formats.head_config import (
     AUX_KEY,
@@ -39,7 +42,14 @@ from peagle_jax.formats.head_config_write import speculators_config, vllm_config
 from peagle_jax.formats.inspect_dflash import check_dflash, dflash_tensor_findings, serve_depth, settled_dflash
 from peagle_jax.formats.inspect_report import format_report
 from peagle_jax.formats.own import OWN_CONFIG_FILE, OWN_STATE_DIR, read_own
-from peagle_jax.formats.serving import resolve_verifier, serve_command, target_facts, target_findings
+from peagle_jax.formats.serving import (
+    resolve_verifier,
+    serve_command,
+    serve_lines,
+    serve_note,
+    target_facts,
+    target_findings,
+)
 from peagle_jax.hub import is_repo_id, repo_id_of
 
 __all__ = ["inspect_folder", "format_report", "InspectError"]
@@ -74,10 +84,14 @@ class _Findings:
 
 # ---------------------------------------------------------------------------------------
 # entry point
-def inspect_folder(path: str | os.PathLike, *, target: str | os.PathLike | None = None, display=None) -> dict:
-    """A report (dict) of a drafter folder: what it is, `problems`, `warnings`, `notes` and the
-    `serve` command. `display`: the path to show instead of `path` (an export checks its
-    temporary folder under the final name). InspectError / ConfigError when it is no head."""
+def inspect_folder(
+    path: str | os.PathLike, *, target: str | os.PathLike | None = None, display=None, vllm_version=None
+) -> dict:
+    """A report (dict) of a drafter folder: what it is, `problems`, `warnings`, `notes`, the
+    `serve` command and `serve_lines`. `display`: the path to show instead of `path` (an export
+    checks its temporary folder under the final name). `vllm_version` (major, minor): the vLLM
+    release to check serving with (None: none in particular). InspectError / ConfigError when
+    it is no head."""
     folder = Path(path)
     shown = Path(display) if display is not None else folder
     if not folder.exists():
@@ -85,14 +99,14 @@ def inspect_folder(path: str | os.PathLike, *, target: str | os.PathLike | None 
     if not folder.is_dir():
         raise InspectError(f"{folder}: not a folder")
     if (folder / OWN_CONFIG_FILE).exists():
-        return _inspect_own(folder, shown, target)
+        return _inspect_own(folder, shown, target, vllm_version)
     raw = read_json(folder / CONFIG_FILE)
     facts = head_facts(raw, str(shown / CONFIG_FILE))  # raises when the folder holds no head
     fnd = _Findings()
     ckpt = _open_checkpoint(folder, shown, fnd)
     keys = set() if ckpt is None else set(ckpt.keys())
     mode = facts.mode or ("parallel" if facts.mask_ids or "mask_hidden" in keys else "chain")
-    report = _report(folder, shown, raw, facts, mode, target, fnd)
+    report = _report(folder, shown, raw, facts, mode, target, fnd, vllm_version)
     files = sorted(p.name for p in folder.iterdir() if p.name.endswith(".safetensors"))
     report.update(files=files, tensors=len(keys), bytes=sum((folder / f).stat().st_size for f in files))
     if ckpt is not None:
@@ -101,7 +115,7 @@ def inspect_folder(path: str | os.PathLike, *, target: str | os.PathLike | None 
     return {**report, "problems": fnd.problems, "warnings": fnd.warnings, "notes": fnd.notes}
 
 
-def _inspect_own(folder: Path, shown: Path, target) -> dict:
+def _inspect_own(folder: Path, shown: Path, target, vllm_version) -> dict:
     """Our checkpoint, checked as the config.json it exports to (no tensors: orbax state)."""
     try:
         meta = json.loads((folder / OWN_CONFIG_FILE).read_text())
@@ -117,13 +131,14 @@ def _inspect_own(folder: Path, shown: Path, target) -> dict:
     else:
         _check_own_finite(folder, shown, fnd)
     facts = head_facts(raw, str(shown / OWN_CONFIG_FILE))
-    report = _report(folder, shown, raw, facts, cfg.mode, target, fnd, own=True)
+    report = _report(folder, shown, raw, facts, cfg.mode, target, fnd, vllm_version, own=True)
     report.update(format="own", architecture=None, speculators_model_type=None, dtype=meta.get("dtype"), serve=None)
+    report.update(serve_lines=[], serve_note=None)
     return {**report, "problems": fnd.problems, "warnings": fnd.warnings, "notes": fnd.notes}
 
 
 def _report(
-    folder: Path, shown: Path, raw: dict, facts: HeadFacts, mode: str, target, fnd: _Findings, own=False
+    folder: Path, shown: Path, raw: dict, facts: HeadFacts, mode: str, target, fnd: _Findings, vllm_version, own=False
 ) -> dict:
     """What the config says, its findings and the target's (tensor fields left empty)."""
     h, v = facts.sizes["hidden_size"], facts.sizes["vocab_size"]
@@ -154,19 +169,40 @@ def _report(
         "dtype": None,
         "target": None,
         "target_family": facts.target_family,
+        "vllm_version": None if vllm_version is None else version_text(vllm_version),
     }
     aux_ok = _check_config(facts, raw, mode, fnd, own)
     _check_target(fnd, report, folder, target, facts.verifier, facts.aux if aux_ok else None)
     if mode == "chain":
         fnd.note("EAGLE-3 chain head (no parallel drafting): serve without parallel_drafting")
-    report["serve"] = _serve(report, facts)
+    if vllm_version is not None:
+        _check_release(vllm_version, mode, "vllm" if own else facts.fmt, fnd)
+    report["serve"], report["serve_lines"] = _serve(report, facts)
+    report["serve_note"] = serve_note(mode)
     return report
 
 
-def _serve(report: dict, facts: HeadFacts) -> str:
-    """The vLLM command line for the folder: K from the recorded trained depth (else the
-    largest hint); the target checked against (its Hub id when it is a snapshot of the cache),
-    else a hub-id verifier."""
+def _check_release(version: tuple[int, int], mode: str, fmt: str, fnd: _Findings) -> None:
+    """What vLLM release `version` makes of the head kind (`engines.vllm_refusal`)."""
+    v = version_text(version)
+    refusal = vllm_refusal(version, mode, fmt)
+    if refusal is not None:
+        plain = " (exported --as eagle3 it loads, and drafts one token at a time)" if version >= FIRST_PARALLEL else ""
+        fnd.problem(
+            f"vLLM {v} refuses {HEAD_KINDS[mode]} heads: {refusal}{plain}; serve it with {serving_vllm(mode)}, "
+            "or with this project's engine (python -m infer generate)"
+        )
+    elif version > NEWEST_VLLM:
+        fnd.note(
+            f"vLLM {v} is newer than the releases this lint was checked against (up to "
+            f"{version_text(NEWEST_VLLM)}): what it serves is taken to be as in {version_text(NEWEST_VLLM)}"
+        )
+
+
+def _serve(report: dict, facts: HeadFacts) -> tuple[str, list[str]]:
+    """The vLLM command line for the folder and the lines to serve it (`serving.serve_lines`):
+    K from the recorded trained depth (else the largest hint); the target checked against (its
+    Hub id when it is a snapshot of the cache), else a hub-id verifier."""
     hints = [x for x in facts.k_hints.values() if _is_int(x)]
     k = facts.k_train if facts.k_train is not None else max(hints, default=None)
     if report["mode"] == "dflash":
@@ -175,7 +211,8 @@ def _serve(report: dict, facts: HeadFacts) -> str:
         target = repo_id_of(report["target"]["path"]) or report["target"]["path"]
     else:
         target = facts.verifier if is_repo_id(facts.verifier, bare=True) else "TARGET"
-    return serve_command(report["path"], report["mode"], k, report["target_family"], target)
+    args = (report["path"], report["mode"], k, report["target_family"], target)
+    return serve_command(*args), serve_lines(*args)
 
 
 def _rope(facts: HeadFacts) -> dict:
@@ -428,8 +465,8 @@ def _check_table(ckpt, cfg: DrafterConfig, keys: set, fnd: _Findings, shown_as) 
     maps = sorted({"d2t", "t2d"} & keys)
     if maps and cfg.draft_vocab_size == cfg.vocab_size:
         fnd.problem(
-            f"tensor(s) {maps} in a full-vocabulary head (draft_vocab_size == vocab_size): vLLM 0.33 "
-            "creates no draft_id_to_target_id parameter then and refuses the checkpoint"
+            f"tensor(s) {maps} in a full-vocabulary head (draft_vocab_size == vocab_size): vLLM (0.33, "
+            f"{version_text(NEWEST_VLLM)}) creates no draft_id_to_target_id parameter then and refuses the checkpoint"
         )
     if chk.extra:
         fnd.problem(

@@ -56,8 +56,12 @@ def format_report(r: dict) -> str:
         if t
         else "  target       unknown"
     )
-    if r.get("serve"):
-        lines.append(f"  serve        {r['serve']}")
+    if r.get("vllm_version"):
+        lines.append(f"  vLLM         {r['vllm_version']} ({r.get('vllm_version_source') or 'checked against'})")
+    if r.get("serve_note"):
+        lines.append(f"  serving      {r['serve_note']}")
+    for i, line in enumerate(r.get("serve_lines") or []):
+        lines.append(f"  {'serve' if i == 0 else '':<12} {line}")
     for title, items in (("problems", r["problems"]), ("warnings", r["warnings"]), ("notes", r["notes"])):
         if items:
             lines.append(f"{title} ({len(items)}):")

@@ -1,11 +1,12 @@
-"""How vLLM (0.33) serves a drafter head: the command line, and the target it runs beside.
+"""How a drafter head is served: the command lines, and the target it runs beside.
 
-`serve_command` is the one builder of the vLLM command line (the converter, the lint and the
-trainer print it): `--speculative-config '{"method": "eagle3", "model": DIR, ...}'` for both
-head formats, `parallel_drafting` for P-EAGLE heads, K capped at `SERVE_K` (DFlash heads:
-`"method": "dflash"`, K = block_size - 1), and
-`--model-impl transformers` for target families whose native vLLM model captures no aux hidden
-states. `target_facts` reads what the checks need from a target folder's config.json (any
+`serve_command` builds the vLLM command line: `--speculative-config '{"method": "eagle3",
+"model": DIR, ...}'` for both head formats, `parallel_drafting` for P-EAGLE heads, K capped at
+`SERVE_K` (DFlash heads: `"method": "dflash"`, K = block_size - 1), and `--model-impl
+transformers` for target families whose native vLLM model captures no aux hidden states.
+`serve_lines` is the one builder of what the converter, the lint and the trainer print: that
+command (for a P-EAGLE head pinned to the vLLM releases that serve it, `engines`) and this
+project's engine on the same folder. `target_facts` reads what the checks need from a target folder's config.json (any
 family, multimodal too), `target_findings` is what stops a head from serving beside that target,
 and `resolve_verifier` finds a head's recorded target on this machine (a Hub id: in the cache).
 """
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from peagle_jax.config import ConfigError, read_json
+from peagle_jax.formats.engines import HEAD_KINDS, NEWEST_VLLM, serving_vllm, version_text
 from peagle_jax.formats.head_config import AUX_KEY, rope_params
 from peagle_jax.hub import cached
 from peagle_jax.models.registry import ARCHITECTURES, MODEL_TYPES, VLLM_EAGLE3_NATIVE
@@ -26,6 +28,8 @@ __all__ = [
     "SERVE_K",
     "serve_k",
     "serve_command",
+    "serve_lines",
+    "serve_note",
     "target_facts",
     "target_findings",
     "resolve_verifier",
@@ -71,6 +75,29 @@ def serve_command(model, mode: str, k_train=None, target_family: str | None = No
         spec["parallel_drafting"] = True
     cmd = f"vllm serve {target} --speculative-config '{json.dumps(spec)}'"
     return cmd if aux_capture(target_family) else cmd + " --model-impl transformers"
+
+
+def serve_lines(model, mode: str, k_train=None, target_family: str | None = None, target: str = "TARGET") -> list[str]:
+    """What to run to serve a head folder: the vLLM command (`serve_command`; a P-EAGLE head's
+    pinned to the releases that serve it, `pip install "vllm>=0.16,<0.34" && vllm serve ...`),
+    then this project's engine on the same folder (`python -m infer generate`)."""
+    vllm = serve_command(model, mode, k_train, target_family, target)
+    pin = serving_vllm(mode)
+    if pin != "vllm":
+        vllm = f"pip install {json.dumps(pin)} && {vllm}"
+    k = k_train if mode == "dflash" else serve_k(k_train)
+    return [vllm, f"python -m infer generate --target {target} --drafter {model} --k {k} --prompt TEXT"]
+
+
+def serve_note(mode: str) -> str | None:
+    """The line printed before `serve_lines` when current vLLM does not serve the head kind."""
+    if serving_vllm(mode) == "vllm":
+        return None
+    return (
+        f"vLLM {version_text(NEWEST_VLLM)} and later refuse {HEAD_KINDS[mode]} heads (the V1 runner and parallel "
+        f"drafting for eagle3 were removed): serve this head with {serving_vllm(mode)}, or with this project's "
+        "engine (python -m infer)"
+    )
 
 
 def resolve_verifier(name, folder: str | os.PathLike) -> Path | None:
@@ -136,7 +163,7 @@ def target_findings(
         )
     if not aux_capture(t["family"]):
         notes.append(
-            f"vLLM 0.33's native {t['family']} model does not capture aux hidden states (no SupportsEagle3): "
-            "serve the target with --model-impl transformers (the serve command adds it)"
+            f"vLLM's native {t['family']} model does not capture aux hidden states (no SupportsEagle3, in 0.33 and "
+            f"{version_text(NEWEST_VLLM)}): serve the target with --model-impl transformers (the serve command adds it)"
         )
     return problems, notes

@@ -6,7 +6,10 @@ BIN := $(VENV)/bin
 CVENV := .venv-compile
 CBIN := $(CVENV)/bin
 
-.PHONY: test test-fast test-slow lint demo report clean compile-venv test-compile
+VVENV := .venv-vllm
+VLLM_RELEASES := 0.33.0 0.34.0
+
+.PHONY: test test-fast test-slow lint demo report clean compile-venv test-compile vllm-venv
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +38,18 @@ compile-venv: $(CVENV)/.installed
 test-compile: $(CVENV)/.installed
 	$(CBIN)/python -m pytest -q -p no:xdist tests/compile --durations=5
 
+# vLLM's own config and loading code, run on CPU as the oracle for the exports (tests/test_vllm_oracle.py):
+# what its import path needs (tests/vllm-oracle.txt), and each release without deps in .vllm/VERSION
+$(VVENV)/.installed: tests/vllm-oracle.txt
+	rm -rf $(VVENV) .vllm
+	$(PY) -m venv $(VVENV)
+	$(VVENV)/bin/pip install -q --upgrade pip
+	$(VVENV)/bin/pip install -q -r tests/vllm-oracle.txt
+	for v in $(VLLM_RELEASES); do $(VVENV)/bin/pip install -q --no-deps --target .vllm/$$v vllm==$$v || exit 1; done
+	touch $@
+
+vllm-venv: $(VVENV)/.installed
+
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[demo,train]'
 	touch $@
@@ -47,7 +62,7 @@ lint: $(VENV)/.installed-test
 
 # tests run in parallel workers (most of a test's time is single-threaded XLA compilation), one file
 # per worker at a time so that module fixtures (models, reference runs) are built once
-test: lint $(CVENV)/.installed
+test: lint $(CVENV)/.installed $(VVENV)/.installed
 	@start=$$(date +%s); \
 	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25 && \
 	$(CBIN)/python -m pytest -q -p no:xdist tests/compile --durations=5 && \
@@ -72,4 +87,4 @@ report: $(VENV)/.installed-test
 	$(BIN)/python -m infer.report $(REPORT_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CVENV) .pytest_cache
+	rm -rf $(VENV) $(CVENV) $(VVENV) .vllm .pytest_cache

@@ -151,7 +151,7 @@ def test_inspect_flags_a_speculators_saved_head(tmp_path, capsys):
     problems = inspect_folder(tmp_path / "spec")["problems"]
     assert len(problems) == 1, problems
     text = problems[0]
-    assert text.startswith("sliding_window_non_causal false: vLLM (<= 0.33) runs full_attention layers [0, 1]")
+    assert text.startswith("sliding_window_non_causal false: vLLM (<= 0.34) runs full_attention layers [0, 1]")
     assert "causally" in text and '{"sliding_window_non_causal": true}' in text and "convert export" in text
     assert main(["inspect", str(tmp_path / "spec")]) == 1
     assert "sliding_window_non_causal false" in capsys.readouterr().out
@@ -172,7 +172,7 @@ def test_convert_import_then_export_rewrites_the_keys(tmp_path, capsys):
     (folder / "config.json").write_text(json.dumps(raw))
     problems = inspect_folder(folder)["problems"]
     assert len(problems) == 1 and problems[0].startswith(
-        "dflash_config.causal true: vLLM (<= 0.33) runs full_attention"
+        "dflash_config.causal true: vLLM (<= 0.34) runs full_attention"
     )
     assert '{"dflash_config.causal": false}' in problems[0]
     assert main(["import", str(folder), str(tmp_path / "own")]) == 0

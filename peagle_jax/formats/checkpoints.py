@@ -29,7 +29,7 @@ Import checks every key, shape and dtype (`check_tensors`, shared with the lint)
 (a bf16 file stays bf16 in host memory). Export writes bf16 by default (d2t int64, t2d bool)
 into a temporary sibling folder renamed into place. Where the tools differ, vLLM decides:
 - o_proj carries a bias whenever `attention_bias` is set (Hugging Face and vLLM Llama).
-- A full-vocabulary head (Vd == V) carries no d2t/t2d: vLLM 0.33 then creates no
+- A full-vocabulary head (Vd == V) carries no d2t/t2d: vLLM (0.33, 0.34) then creates no
   `draft_id_to_target_id` parameter and refuses a checkpoint that has one. A reduced head must.
 - `norm_output` (EAGLE 3.1): chain mode feeds the post-norm state back (`DrafterModel.feedback`).
 - Sliding-window layers: `layer_types`, `sliding_window` and `use_sliding_window` in the layer

@@ -8,7 +8,7 @@ speculators translation also puts it):
   attend bidirectionally when true (default false: causally); full-attention layers always do.
 - `dflash_config.causal` (vLLM native). vLLM's override for every layer.
 
-vLLM (<= 0.33) reads them so:
+vLLM (<= 0.34) reads them so:
 - its speculators translation (`update_dflash`, vllm/transformers_utils/configs/speculators/
   algos.py) writes `dflash_config` anew with `causal = not sliding_window_non_causal` (absent:
   true), an override for every layer, full-attention layers included;
@@ -54,7 +54,7 @@ class Causality(NamedTuple):
     layer: str  # FULL | SLIDING
     swnc: object  # sliding_window_non_causal: True | False | ABSENT | ANY
     causal: object  # dflash_config.causal: True | False | ABSENT | ANY
-    vllm: bool  # vLLM <= 0.33 runs the layer causally
+    vllm: bool  # vLLM <= 0.34 runs the layer causally
     meant: bool  # the head was trained causal there
     why: str = ""  # where vLLM and the head disagree: the reason
 
@@ -114,6 +114,6 @@ def causality_keys(fmt: str, layer_types, meant) -> dict:
         if all(r.vllm == r.meant == m for r, m in zip(rows, meant)):
             return {} if value == ABSENT else {key: value}
     raise ConfigError(
-        f"no {key!r} makes vLLM (<= 0.33) run layers {list(layer_types)} causal as {list(meant)} in the "
+        f"no {key!r} makes vLLM (<= 0.34) run layers {list(layer_types)} causal as {list(meant)} in the "
         f"{fmt} format (its speculators translation applies one value to every layer); export --format vllm"
     )

@@ -139,7 +139,7 @@ def _proposal(c: DrafterConfig, k: int, verifier: str | None) -> dict:
 
 
 def _dflash_causality(c: DrafterConfig, fmt: str) -> dict:
-    """The causality keys of a DFlash head (`dflash_causality`): they make vLLM (<= 0.33) run
+    """The causality keys of a DFlash head (`dflash_causality`): they make vLLM (<= 0.34) run
     each layer as ours does (`DrafterConfig.block_causal`: full layers bidirectionally)."""
     return causality_keys(fmt, c.layer_types, [c.block_causal(i) for i in range(c.num_layers)])
 
@@ -173,7 +173,7 @@ def dflash_vllm_config(c: DrafterConfig, dtype="bfloat16") -> dict:
 def dflash_speculators_config(c: DrafterConfig, dtype="bfloat16", verifier: str | None = None) -> dict:
     """A DFlash head's speculators config.json, as speculators 0.9.0's DFlashSpeculatorConfig
     writes it (aux_hidden_state_layer_ids in our convention, block_size - 1 drafts a pass), but
-    with `sliding_window_non_causal` true: speculators' default false makes vLLM (<= 0.33) run
+    with `sliding_window_non_causal` true: speculators' default false makes vLLM (<= 0.34) run
     every layer causally (`dflash_causality`)."""
     tl = {"model_type": "qwen3", **_llama_fields(c), "layer_types": list(c.layer_types)}
     tl.pop("rope_scaling")

@@ -6,7 +6,7 @@ what vLLM's `DFlashDraftModel` needs of a head folder beyond the shared checks.
 - Context layers: distinct non-negative ids in layer order (fc reads one target state each);
   a vLLM-native head without `eagle_aux_hidden_state_layer_ids` relies on vLLM's
   `dflash_config.target_layer_ids` + 1 fallback (a note).
-- Causality: a layer vLLM (<= 0.33) runs causally where the head was trained bidirectionally, or
+- Causality: a layer vLLM (<= 0.34) runs causally where the head was trained bidirectionally, or
   the other way round (`dflash_causality.CAUSALITY`: speculators' `sliding_window_non_causal:
   false`, its own default, makes vLLM run full-attention layers causally).
 - embed_tokens / a full-vocabulary lm_head may be absent: vLLM shares the target's (notes). The
@@ -65,7 +65,7 @@ def check_dflash(f: HeadFacts, fnd) -> bool:
 
 
 def _check_causality(f: HeadFacts, fnd) -> None:
-    """Layers vLLM (<= 0.33) runs with another causality than the head was trained with: one
+    """Layers vLLM (<= 0.34) runs with another causality than the head was trained with: one
     problem per disagreeing row of `dflash_causality.CAUSALITY`, naming the key and the fix."""
     keys = f.dflash["causality"]
     bad = {k: v for k, v in keys.items() if not isinstance(v, bool)}
@@ -93,7 +93,7 @@ def _causality_message(f: HeadFacts, row, layers: list, types, rows) -> str:
     except ConfigError as err:
         fix_text = str(err)
     return (
-        f"{key} {value}: vLLM (<= 0.33) runs {row.layer} layers {layers} {how[row.vllm]} inside the block, "
+        f"{key} {value}: vLLM (<= 0.34) runs {row.layer} layers {layers} {how[row.vllm]} inside the block, "
         f"but the head was trained {how[row.meant]} there ({row.why}); fix: {fix_text}"
     )
 

@@ -2,7 +2,7 @@
 (1 + w) RMSNorms, sandwich norms, q/k norms, sqrt(H) embedding scale, interleaved sliding
 and full layers with their own rope bases, final-logit softcapping.
 
-vLLM 0.33's native `gemma3` model does not capture aux hidden states (no `SupportsEagle3`):
+vLLM's native `gemma3` model (0.33, 0.34) does not capture aux hidden states (no `SupportsEagle3`):
 a drafter for a Gemma 3 target is served with `--model-impl transformers`.
 """
 

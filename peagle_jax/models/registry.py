@@ -20,7 +20,7 @@ FAMILIES: dict[str, Family] = {
 MODEL_TYPES = {t: f for f in FAMILIES.values() for t in f.model_types}
 # HF architecture name -> family name
 ARCHITECTURES = {a: f.name for f in FAMILIES.values() for a in f.architectures}
-# vLLM 0.33's native models that capture aux hidden states (SupportsEagle3), by family name
+# vLLM's native models (0.33 and 0.34) that capture aux hidden states (SupportsEagle3), by family name
 VLLM_EAGLE3_NATIVE = {f.name: f.vllm_eagle3 for f in FAMILIES.values()}
 
 

@@ -129,6 +129,9 @@ def attention(
     if backend == "reference":
         out, lse = _reference.attention(q, k, v, spec, sinks=sinks)
         return (out, lse) if return_lse else out
+    # the blockwise kernels take one dtype (Triton refuses an f32 x bf16 product): promote as the
+    # dense products do (a bf16 model's q and k leave RoPE in f32 while v stays bf16)
+    q, k, v = (x.astype(jnp.result_type(q, k, v)) for x in (q, k, v))
 
     if spec.chain_depth:
         block_spec, idx, found = _chain.split(spec)

@@ -393,9 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="our drafter checkpoint -> vLLM-native or speculators folder",
         description="Our drafter checkpoint (or any folder load_drafter reads) -> config.json + "
         "model.safetensors in the vLLM-native EAGLE-3 layout (serve with parallel_drafting: true) "
-        "or the speculators layout. Written atomically; refused when inspect finds a problem. Prints the vLLM "
-        f"serve command (num_speculative_tokens = the trained depth capped at {SERVE_K}, P-EAGLE's best "
-        "served K).",
+        "or the speculators layout. Written atomically; refused when inspect finds a problem. Prints how to "
+        f"serve it: the vLLM command (num_speculative_tokens = the trained depth capped at {SERVE_K}, P-EAGLE's "
+        "best served K; a P-EAGLE head pinned to vLLM 0.16-0.33, the releases that serve it) and this project's "
+        "engine.",
     )
     p.add_argument("ckpt", metavar="CKPT", help="drafter checkpoint folder, or a Hub id (org/name)")
     p.add_argument("out", metavar="OUT", help="output folder")
@@ -466,8 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=defaults,
         help="describe a drafter folder and list what would break vLLM",
         description="What a drafter folder is (format, mode, layers, vocab sizes, mask id, aux ids, "
-        "K hints) and every problem that would stop vLLM or silently degrade it. Exit 0 when clean, 1 when "
-        "there are problems, 2 when the folder cannot be inspected.",
+        "K hints) and every problem that would stop vLLM or silently degrade it, for one vLLM release "
+        "(--vllm-version: vLLM 0.34 refuses P-EAGLE heads). Exit 0 when clean, 1 when there are problems, 2 "
+        "when the folder cannot be inspected.",
     )
     p.add_argument("dir", metavar="DIR", help="drafter folder (vLLM, speculators or ours), or a Hub id")
     p.add_argument(

@@ -12,31 +12,24 @@ import sys
 import time
 from pathlib import Path
 
-from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, exit_interrupted, run, terminate_as_interrupt
+from peagle_jax.cli import (
+    DefaultsFormatter,
+    OneLineParser,
+    UsageError,
+    exit_interrupted,
+    number_type,
+    positive_int,
+    run,
+    terminate_as_interrupt,
+)
 
 Formatter = DefaultsFormatter
 
 
-def _number(kind, lo, hi, what: str):
-    """An argparse type: `kind(text)` within [lo, hi] (nan and inf never pass)."""
-
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-
-    return parse
-
-
-positive_int = _number(int, 1, float("inf"), "a positive integer")
-non_negative_float = _number(float, 0.0, 1e30, "a finite number >= 0")
-probability = _number(float, 1e-30, 1.0, "a number in (0, 1]")
+non_negative_float = number_type(float, 0.0, 1e30, "a finite number >= 0")
+probability = number_type(float, 1e-30, 1.0, "a number in (0, 1]")
 SEED_MAX = 2**63 - 1  # = peagle_jax.engine.generation.SEED_MAX (jax.random.key's int64); not imported: no JAX yet
-seed_int = _number(int, 0, SEED_MAX, "an integer in [0, 2**63 - 1] (what jax.random.key accepts)")
+seed_int = number_type(int, 0, SEED_MAX, "an integer in [0, 2**63 - 1] (what jax.random.key accepts)")
 
 
 def k_list(text: str) -> list[int]:

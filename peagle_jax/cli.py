@@ -19,6 +19,24 @@ class UsageError(Exception):
     """A command line that cannot be parsed (exit status 2)."""
 
 
+def number_type(kind, lo, hi, what: str):
+    """An argparse type: `kind(text)` within [lo, hi] (nan and inf never pass)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = number_type(int, 1, float("inf"), "a positive integer")
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose usage errors raise `UsageError` with one line (`PROG: message (see
     --help)`) instead of printing the whole usage block; subparsers inherit it."""

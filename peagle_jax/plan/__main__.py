@@ -15,8 +15,8 @@ import json
 import sys
 from pathlib import Path
 
-from peagle_jax.cli import OneLineParser, run
-from peagle_jax.folders import atomic_write_text
+from peagle_jax.cli import OneLineParser, positive_int, run
+from peagle_jax.folders import atomic_write_text, unwritable
 from peagle_jax.plan.devices import deviceless_env, parse_device
 from peagle_jax.plan.presets import PRESETS, target_config
 
@@ -27,10 +27,12 @@ def parser() -> OneLineParser:
     p.add_argument("--device", help="h100, h200, h100x8, h200x8x2, v5e-8, v5p-8, v6e-8, v5e-256, ...")
     p.add_argument("--job", choices=("train", "serve"), default="train")
     p.add_argument("--modes", default=None, help="comma-separated modes (default: all of the job's)")
-    p.add_argument("--tokens", type=int, default=4096, help="train: tokens per sequence")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (train: devices) or rows (serve: 1)")
-    p.add_argument("--k", type=int, default=7, help="serve: drafts per round")
-    p.add_argument("--cache-len", type=int, default=8192, help="serve: KV cache slots per row")
+    p.add_argument("--tokens", type=positive_int, default=4096, help="train: tokens per sequence")
+    p.add_argument(
+        "--batch", type=positive_int, default=None, help="sequences per step (train: devices) or rows (serve: 1)"
+    )
+    p.add_argument("--k", type=positive_int, default=7, help="serve: drafts per round")
+    p.add_argument("--cache-len", type=positive_int, default=8192, help="serve: KV cache slots per row")
     p.add_argument("--layers", type=int, default=None, help="the target's layers (fewer: a faster compile)")
     p.add_argument("--headroom", type=float, default=0.9, help="share of device memory a program may plan for")
     p.add_argument(
@@ -58,7 +60,32 @@ def parse(argv):
         parser().error(f"--headroom {args.headroom}: a share of the device's memory, in (0, 1]")
     if args.layers is not None and args.layers < 3:  # EAGLE-3 features: 3 distinct target layers
         parser().error(f"--layers {args.layers}: at least 3 (the heads read 3 distinct target layers)")
+    _check_work_flags(args)
     return args
+
+
+def _check_work_flags(args) -> None:
+    """What no program can use is a usage error before any compile: an unknown mode, train flags
+    the trainer refuses (or given to a serving plan), a --json that cannot be written."""
+    from peagle_jax.plan.run import MODES
+
+    modes = args.modes.split(",") if args.modes is not None else list(MODES[args.job])
+    bad = [m for m in modes if m not in MODES[args.job]]
+    if bad or len(set(modes)) != len(modes):
+        what = f"unknown mode(s) {bad}" if bad else "a mode given twice"
+        parser().error(f"--modes {args.modes!r}: {what} (--job {args.job}: {', '.join(MODES[args.job])})")
+    if args.train_flag and args.job != "train":
+        parser().error(f"--train-flag {args.train_flag[0]!r}: only a --job train plan builds the trainer's step")
+    if args.train_flag:
+        from peagle_jax.plan.programs import train_flags_error
+
+        for mode in modes:
+            why = train_flags_error(mode, args.tokens, args.train_flag)
+            if why:
+                parser().error(f"--train-flag {' '.join(args.train_flag)!r}: {why}")
+    why = args.json is not None and unwritable(args.json, "file")
+    if why:
+        parser().error(f"--json {args.json}: {why}")
 
 
 def work(args) -> int:

@@ -139,16 +139,33 @@ def synthetic_examples(batch: int, tokens: int, vocab: int):
     return [Example(rng.integers(5, min(vocab, 30000), tokens).astype(np.int32), mask, i) for i in range(batch)]
 
 
+def _train_config(mode: str, tokens: int, batch: int, compute_dtype: str, segments, flags):
+    """The TrainConfig `python -m train` builds for this plan's step (UsageError / ConfigError)."""
+    from train.config import parse_args
+
+    args = ["--model.mode", mode, "--model.compute_dtype", compute_dtype, "--data.max_len", str(tokens)]
+    return parse_args([*args, "--data.batch_size", str(batch), "--loop.segments", str(segments), *flags])
+
+
+def train_flags_error(mode: str, tokens: int, flags) -> str | None:
+    """Why the trainer refuses these `python -m train` flags for a `mode` plan (None: it takes them)."""
+    from peagle_jax.cli import UsageError, one_line
+
+    try:
+        _train_config(mode, tokens, 1, "bfloat16", "auto", flags)
+    except (UsageError, ValueError) as err:
+        return one_line(err)
+    return None
+
+
 def train_step(
     target: Target, mode: str, *, tokens: int, batch: int = 1, compute_dtype="bfloat16", flags=(), segments="auto"
 ):
     """The traced train step of `python -m train` on `target` (its mesh): one batch of `batch`
     sequences of `tokens` tokens. `flags`: more `python -m train` flags (the head's shape)."""
-    from train.config import parse_args
     from train.trainer import head_flags
 
-    args = ["--model.mode", mode, "--model.compute_dtype", compute_dtype, "--data.max_len", str(tokens)]
-    cfg = parse_args([*args, "--data.batch_size", str(batch), "--loop.segments", str(segments), *flags])
+    cfg = _train_config(mode, tokens, batch, compute_dtype, segments, flags)
     mc = cfg.model
     head = abstract_head(
         target, mode, num_layers=mc.num_layers, draft_vocab=mc.draft_vocab, k=mc.k_train, dtype=mc.dtype,

@@ -237,6 +237,18 @@ def test_the_command_line_reports_a_dead_server_in_one_line_and_resumes(folder, 
     assert json.loads((out / "summary.json").read_text())["prepared_only"] is True
 
 
+def test_a_server_dead_from_the_start_says_nothing_was_kept(folder, target, tmp_path):
+    """No answer came: the line says so and that OUT, which the run made, is gone (no resume)."""
+    out = tmp_path / "run"
+    with LoopbackServer(target, Faults(die_after=0)) as server:
+        proc = run_module("train", _flags(folder, out, server.url, "--data.regenerate_retries", "0"))
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-3000:]
+    assert "no answer was regenerated" in errors[0] and f"removed {out}, which this run made" in errors[0], errors[0]
+    assert "rerun to resume" not in errors[0] and "answers are in" not in errors[0], errors[0]
+    assert not out.exists()
+
+
 def _count(path: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 

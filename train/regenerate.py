@@ -150,6 +150,8 @@ def regenerate(
                 generate_remote(todo, tokenizer, endpoint, **kw)
         except EndpointError as e:
             kept = sum(i in done for i in prompts)
+            if not kept:  # nothing to resume from: the run's folder may go (train.loop.leave_out says)
+                raise EndpointError(f"{e}; no answer was regenerated") from None
             raise EndpointError(f"{e}; {kept} of {len(prompts)} answers are in {cache}: rerun to resume") from None
     if mismatched:
         print(

@@ -86,6 +86,7 @@ def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
     p.add_argument(
         "--stop-token-ids",
         metavar="IDS",
+        type=stop_ids_arg,
         help="extra stop token ids, comma separated "
         "(added to the target's eos ids from config.json and generation_config.json)",
     )
@@ -151,6 +152,14 @@ def _ids(text: str, flag: str) -> list[int]:
     return ids
 
 
+def stop_ids_arg(text: str) -> list[int]:
+    """An argparse type: `--stop-token-ids` "1,2,3" (checked against the vocabulary once it is known)."""
+    try:
+        return _ids(text, "--stop-token-ids")
+    except ValueError as err:  # argparse names the flag itself
+        raise argparse.ArgumentTypeError(str(err).split(": ", 1)[1]) from None
+
+
 def read_prompt_ids(value: str) -> list[list[int]]:
     """`--prompt-ids`: "1,2,3", or a .jsonl file holding one JSON list of ids per line."""
     path = Path(value)
@@ -175,28 +184,37 @@ def status(message: str) -> None:
     print(f"[infer] {message}", file=sys.stderr, flush=True)
 
 
-def _load(args):
-    """(target, [(folder, drafter)], stop ids): the drafters of --drafter, none with --mode none."""
+def _load(args, prompt_ids=()):
+    """(target, [(folder, drafter)], stop ids): the drafters of --drafter, none with --mode none.
+    The stop ids and `prompt_ids` are checked against the target's vocabulary (its config.json)
+    before any weight is read."""
     import peagle_jax as pj
+    from peagle_jax.engine import check_vocab
+    from peagle_jax.hub import resolve
+    from peagle_jax.models.registry import target_config
 
     t0 = time.perf_counter()
+    folder = resolve(args.target, "target")
+    vocab = target_config(folder).vocab_size
+    check_vocab(args.stop_token_ids or [], vocab, "--stop-token-ids")
+    for i, row in enumerate(prompt_ids):
+        check_vocab(row, vocab, "--prompt-ids" + (f" (prompt {i + 1})" if len(prompt_ids) > 1 else ""))
     status(f"loading target {args.target} ...")
-    target = pj.load_target(args.target, dtype=None if args.dtype == "auto" else args.dtype)
+    target = pj.load_target(folder, dtype=None if args.dtype == "auto" else args.dtype)
     folders = [] if args.mode == "none" else args.drafter
     folders = [folders] if isinstance(folders, str) else folders
     drafters = [(folder, pj.load_drafter(folder)) for folder in folders]
     status(f"loaded {target!r}" + "".join(f" and {d!r}" for _, d in drafters) + f" in {time.perf_counter() - t0:.1f}s")
-    stops = None if args.stop_token_ids is None else _ids(args.stop_token_ids, "--stop-token-ids")
-    return target, drafters, stops
+    return target, drafters, args.stop_token_ids
 
 
 def run_generate(args) -> None:
     from peagle_jax.engine import SpeculativeDecoder
 
-    target, drafters, stops = _load(args)
+    prompts = [args.prompt] if args.prompt is not None else read_prompt_ids(args.prompt_ids)
+    target, drafters, stops = _load(args, [] if args.prompt is not None else prompts)
     drafter = drafters[0][1] if drafters else None
     mode = args.mode or drafter.config.mode
-    prompts = [args.prompt] if args.prompt is not None else read_prompt_ids(args.prompt_ids)
     dec = SpeculativeDecoder(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k)
     status("compiling and generating (the first call compiles) ...")
     res = dec.generate(

@@ -86,6 +86,36 @@ CLI_CASES = [
         [],
     ),
     (
+        "stop ids that are not ids",
+        ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/drafter", "--prompt-ids", "1,2,3"]
+        + ["--stop-token-ids", "abc"],
+        2,
+        "argument --stop-token-ids: expected comma-separated token ids, got 'abc'",
+        [],
+    ),
+    (
+        "a stop id outside the vocabulary",
+        ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/drafter", "--prompt-ids", "1,2,3"]
+        + ["--stop-token-ids", f"3,{hf_tiny.VOCAB}"],
+        1,
+        f"--stop-token-ids: token id {hf_tiny.VOCAB} outside the target's vocabulary [0, {hf_tiny.VOCAB})",
+        [],
+    ),
+    (
+        "a prompt id outside the vocabulary",
+        ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/drafter", "--prompt-ids", "1,-2,3"],
+        1,
+        f"--prompt-ids: token id -2 outside the target's vocabulary [0, {hf_tiny.VOCAB})",
+        [],
+    ),
+    (
+        "bench stop ids outside the vocabulary",
+        ["infer", "bench", "--target", "{root}/target", "--drafter", "{root}/drafter", "--stop-token-ids", "-1"],
+        1,
+        f"--stop-token-ids: token id -1 outside the target's vocabulary [0, {hf_tiny.VOCAB})",
+        [],
+    ),
+    (
         "DFlash aux ids outside --target",
         ["peagle_jax.convert", "import", "{root}/dflash", "{out}/imported", "--target", "{root}/t6"],
         1,

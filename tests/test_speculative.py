@@ -236,8 +236,10 @@ def test_bad_input_is_refused_clearly(models):
         dec.generate([[1] * 20], max_new_tokens=8)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         dec.generate([[1, 2], []], max_new_tokens=4)
-    with pytest.raises(ValueError, match="prompt 0 has token ids outside"):
+    with pytest.raises(ValueError, match=r"prompt 0: token id 96 outside the target's vocabulary \[0, 96\)"):
         dec.generate([[1, 96]], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"stop_token_ids: token id -1 outside the target's vocabulary \[0, 96\)"):
+        dec.generate([[1, 2]], max_new_tokens=4, stop_token_ids=[5, -1])
     with pytest.raises(ValueError, match="max_position_embeddings"):
         SpeculativeDecoder(target, drafter, k=3).generate([[1] * 100], max_new_tokens=64)
     _, other = models["gemma3"]

@@ -146,6 +146,13 @@ def _token_ids(prompt, where: str) -> list[int]:
     return [int(t) for t in ids]
 
 
+def check_vocab(ids: Sequence[int], vocab: int, where: str) -> None:
+    """ValueError naming `where`, the first id outside [0, vocab) and the vocabulary's size."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{where}: token id {bad} outside the target's vocabulary [0, {vocab})")
+
+
 def prompt_tokens(tokenizer, prompt: Prompt, where: str = "prompt") -> list[int]:
     """Token ids of one prompt: ids (a list, or a 1-D NumPy / JAX array) pass through; strings
     and conversations go through `peagle_jax.chat.encode_prompt` (the chat template when
@@ -266,8 +273,7 @@ class SpeculativeDecoder:
         for i, row in enumerate(ids):
             if not row:
                 raise ValueError(f"prompt {i} is empty")
-            if min(row) < 0 or max(row) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+            check_vocab(row, vocab, f"prompt {i}")
         longest = max(len(r) for r in ids)
         need = kv.length_for(longest, max_new_tokens, self.k)
         cache_len = self.cache_len or kv.bucket_length(longest, max_new_tokens, self.k)
@@ -295,7 +301,9 @@ class SpeculativeDecoder:
     def _engine(self, temperature: float, top_p: float, stop_token_ids) -> sp.EngineConfig:
         stops = self.eos_ids
         if stop_token_ids is not None:
-            stops = tuple(sorted(set(stops) | set(_token_ids(stop_token_ids, "stop_token_ids"))))
+            extra = _token_ids(stop_token_ids, "stop_token_ids")
+            check_vocab(extra, self.target.config.vocab_size, "stop_token_ids")
+            stops = tuple(sorted(set(stops) | set(extra)))
         return sp.EngineConfig(
             k=self.k,
             mode=self.mode,

@@ -191,11 +191,11 @@ def _load(args, prompt_ids=()):
     import peagle_jax as pj
     from peagle_jax.engine import check_vocab
     from peagle_jax.hub import resolve
-    from peagle_jax.models.registry import target_config
+    from peagle_jax.target import folder_config
 
     t0 = time.perf_counter()
     folder = resolve(args.target, "target")
-    vocab = target_config(folder).vocab_size
+    vocab = folder_config(folder).vocab_size
     check_vocab(args.stop_token_ids or [], vocab, "--stop-token-ids")
     for i, row in enumerate(prompt_ids):
         check_vocab(row, vocab, "--prompt-ids" + (f" (prompt {i + 1})" if len(prompt_ids) > 1 else ""))

@@ -32,6 +32,7 @@ from peagle_jax.cli import one_line
 from peagle_jax.config import TargetConfig, validate_aux_layer_ids
 from peagle_jax.config_fields import GENERATION_FIELDS, ConfigError, check_fields, read_json
 from peagle_jax.engine import cache as kv
+from peagle_jax.formats import refuse_head
 from peagle_jax.hub import resolve
 from peagle_jax.models.decoder import DecoderOutput, embedding_arrays
 from peagle_jax.models.registry import target_config
@@ -40,6 +41,7 @@ from peagle_jax.weights import TOKENIZER_FILES, WeightsError, export_target, loa
 
 __all__ = [
     "Target",
+    "folder_config",
     "load_target",
     "target_apply",
     "DecoderOutput",
@@ -276,6 +278,13 @@ def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
+def folder_config(folder: str | os.PathLike) -> TargetConfig:
+    """The TargetConfig of a target folder's config.json; ConfigError naming a drafter head's
+    folder as such (a head given where a target is expected: `formats.head_kind`)."""
+    refuse_head(folder)
+    return target_config(folder)
+
+
 def load_target(
     path: str | os.PathLike, dtype: str | None = None, aux_layer_ids: Sequence[int] | None = None, mesh=None
 ) -> Target:
@@ -297,7 +306,7 @@ def load_target(
     folder = resolve(path, "target")
     if not folder.is_dir():
         raise WeightsError(f"{folder}: no such folder")
-    cfg = target_config(folder)
+    cfg = folder_config(folder)
     # fail before reading any weight
     validate_aux_layer_ids(cfg.default_aux_layer_ids() if aux_layer_ids is None else aux_layer_ids, cfg.num_layers)
     generation_eos_ids(folder, cfg.vocab_size)

@@ -116,6 +116,27 @@ CLI_CASES = [
         [],
     ),
     (
+        "a head of this project's format as --target",
+        ["infer", "generate", "--target", "{root}/drafter", "--drafter", "{root}/drafter", "--prompt-ids", "1,2,3"],
+        1,
+        "a drafter head in this project's format (drafter.json), not a target model",
+        [],
+    ),
+    (
+        "a vLLM head as --target",
+        ["infer", "bench", "--target", "{root}/dflash", "--drafter", "{root}/drafter"],
+        1,
+        "a vLLM drafter head (architectures ['DFlashDraftModel']), not a target model",
+        [],
+    ),
+    (
+        "a head as the converter's --target",
+        ["peagle_jax.convert", "export", "{root}/drafter", "{out}/x", "--format", "vllm", "--target", "{root}/dflash"],
+        1,
+        "not a target model",
+        ["{out}/x"],
+    ),
+    (
         "DFlash aux ids outside --target",
         ["peagle_jax.convert", "import", "{root}/dflash", "{out}/imported", "--target", "{root}/t6"],
         1,

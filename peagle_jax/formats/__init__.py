@@ -16,7 +16,7 @@ from peagle_jax.formats.checkpoints import (
     read_drafter,
 )
 from peagle_jax.formats.convert import export_drafter
-from peagle_jax.formats.head_config import read_speculators_config, read_vllm_config
+from peagle_jax.formats.head_config import head_kind, read_speculators_config, read_vllm_config, refuse_head
 from peagle_jax.formats.inspect import format_report, inspect_folder
 from peagle_jax.formats.own import write_own
 from peagle_jax.formats.serving import SERVE_K, serve_command, serve_k, serve_lines, serve_note, target_facts
@@ -29,6 +29,8 @@ __all__ = [
     "export_speculators",
     "export_vllm",
     "format_report",
+    "head_kind",
+    "refuse_head",
     "inspect_folder",
     "read_drafter",
     "read_speculators_config",

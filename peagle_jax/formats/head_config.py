@@ -27,6 +27,8 @@ Semantics taken from vLLM (the serving contract) where the tools differ:
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 from peagle_jax.config import NUM_AUX, RopeConfig, validate_aux_layer_ids
 from peagle_jax.config_fields import (
@@ -36,8 +38,10 @@ from peagle_jax.config_fields import (
     ConfigError,
     check_attention,
     check_fields,
+    read_json,
 )
 from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.folders import CONFIG_FILE
 from peagle_jax.formats.dflash_causality import SLIDING, head_causality
 from peagle_jax.formats.head_config_dflash import (
     DFLASH_ARCH,
@@ -47,11 +51,14 @@ from peagle_jax.formats.head_config_dflash import (
     dflash_fields,
     dflash_settings,
 )
+from peagle_jax.formats.own import OWN_CONFIG_FILE
 from peagle_jax.models.registry import ARCHITECTURES
 
 __all__ = [
     "HeadFacts",
     "head_facts",
+    "head_kind",
+    "refuse_head",
     "drafter_config",
     "read_vllm_config",
     "read_speculators_config",
@@ -139,6 +146,31 @@ class HeadFacts:
                     "'transformer_layer_config'"
                 )
         return out
+
+
+def head_kind(folder: str | os.PathLike) -> str | None:
+    """What drafter head a folder holds, in words ("a drafter head in this project's format
+    (drafter.json)", "a vLLM drafter head (architectures [...])", "a speculators drafter head
+    (speculators_model_type ...)"), None when it holds none."""
+    p = Path(folder)
+    if (p / OWN_CONFIG_FILE).is_file():
+        return f"a drafter head in this project's format ({OWN_CONFIG_FILE})"
+    try:
+        raw = read_json(p / CONFIG_FILE)
+    except (ConfigError, OSError):
+        return None
+    if "speculators_model_type" in raw:
+        return f"a speculators drafter head (speculators_model_type {raw['speculators_model_type']!r})"
+    arch = raw.get("architectures")
+    heads = [a for a in arch if a in VLLM_ARCHITECTURES or a == DFLASH_ARCH] if isinstance(arch, list) else []
+    return f"a vLLM drafter head (architectures {heads})" if heads else None
+
+
+def refuse_head(folder: str | os.PathLike) -> None:
+    """ConfigError naming a drafter head's folder given where a target model is expected."""
+    kind = head_kind(folder)
+    if kind is not None:
+        raise ConfigError(f"{folder}: {kind}, not a target model (a head is given as the drafter)")
 
 
 def head_facts(raw: dict, where: str) -> HeadFacts:

@@ -20,7 +20,7 @@ from typing import Any
 
 from peagle_jax.config import ConfigError, read_json
 from peagle_jax.formats.engines import HEAD_KINDS, NEWEST_VLLM, serving_vllm, version_text
-from peagle_jax.formats.head_config import AUX_KEY, rope_params
+from peagle_jax.formats.head_config import AUX_KEY, refuse_head, rope_params
 from peagle_jax.hub import cached
 from peagle_jax.models.registry import ARCHITECTURES, MODEL_TYPES, VLLM_EAGLE3_NATIVE
 
@@ -114,6 +114,7 @@ def target_facts(folder: str | os.PathLike) -> dict:
     """path, model_type, architectures, family, num_layers, hidden_size, vocab_size,
     max_position_embeddings, rope_type of a target folder. ConfigError naming the file and key
     when a size is missing or not an int."""
+    refuse_head(folder)
     cfg_file = Path(folder) / "config.json"
     raw = read_json(cfg_file)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw

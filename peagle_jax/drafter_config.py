@@ -218,7 +218,15 @@ class DrafterConfig:
             if bad:
                 raise ConfigError(f"{where}: unknown keys {bad} in 'rope'")
             data["rope"] = RopeConfig(**rope)
+        return cls.build(where, **data)
+
+    @classmethod
+    def build(cls, where: str, **fields) -> DrafterConfig:
+        """`DrafterConfig(**fields)`, its errors (a missing or unknown field, a value its checks
+        refuse) one ConfigError naming `where`: the file and key the fields came from."""
         try:
-            return cls(**data)
+            return cls(**fields)
         except TypeError as err:
             raise ConfigError(f"{where}: {err}") from None
+        except ConfigError as err:
+            raise ConfigError(f"{where}: {str(err).removeprefix('DrafterConfig: ')}") from None

@@ -454,24 +454,22 @@ def drafter_config(f: HeadFacts) -> DrafterConfig:
         raise ConfigError(f"{f.where}: missing key 'mask_token_id' (required for a peagle head)")
     flags = {n: bool(f.flag(n)) for n in LAYER_FLAGS}
     aux, qk_norm = _aux(f), _qk_norm(f)  # their errors name the file already
-    try:
-        return DrafterConfig(
-            **layer,
-            target_hidden_size=_or(f.target_hidden_size, layer["hidden_size"]),
-            draft_vocab_size=_or(f.draft_vocab_size, layer["vocab_size"]),
-            mode=f.mode or ("parallel" if mask_id is not None else "chain"),
-            mask_token_id=mask_id,
-            aux_layer_ids=aux,
-            k_train=f.k_train,
-            norm_before_residual=bool(f.norm_before_residual),
-            norm_before_fc=bool(f.norm_before_fc),
-            qk_norm=qk_norm,
-            target_model_type=f.target_family,
-            verifier=f.verifier,
-            **flags,
-        )
-    except ConfigError as err:  # DrafterConfig's own checks name no file
-        raise ConfigError(f"{f.where}: {err}") from None
+    return DrafterConfig.build(
+        f.where,
+        **layer,
+        target_hidden_size=_or(f.target_hidden_size, layer["hidden_size"]),
+        draft_vocab_size=_or(f.draft_vocab_size, layer["vocab_size"]),
+        mode=f.mode or ("parallel" if mask_id is not None else "chain"),
+        mask_token_id=mask_id,
+        aux_layer_ids=aux,
+        k_train=f.k_train,
+        norm_before_residual=bool(f.norm_before_residual),
+        norm_before_fc=bool(f.norm_before_fc),
+        qk_norm=qk_norm,
+        target_model_type=f.target_family,
+        verifier=f.verifier,
+        **flags,
+    )
 
 
 def _dflash_config(f: HeadFacts, layer: dict) -> DrafterConfig:
@@ -484,21 +482,19 @@ def _dflash_config(f: HeadFacts, layer: dict) -> DrafterConfig:
             f"{f.where}: key 'target_hidden_size' is {target_hidden}, but a DFlash head's hidden_size "
             f"({hidden}) must equal the target's (its layers read the target's embeddings)"
         )
-    try:
-        return DrafterConfig(
-            **layer,
-            **settings,
-            target_hidden_size=target_hidden,
-            draft_vocab_size=_or(f.draft_vocab_size, layer["vocab_size"]),
-            mode="dflash",
-            k_train=f.k_train,
-            qk_norm=True,
-            sliding_window_non_causal=_non_causal(f, layer["layer_types"]),
-            target_model_type=f.target_family,
-            verifier=f.verifier,
-        )
-    except ConfigError as err:  # DrafterConfig's own checks name no file
-        raise ConfigError(f"{f.where}: {err}") from None
+    return DrafterConfig.build(
+        f.where,
+        **layer,
+        **settings,
+        target_hidden_size=target_hidden,
+        draft_vocab_size=_or(f.draft_vocab_size, layer["vocab_size"]),
+        mode="dflash",
+        k_train=f.k_train,
+        qk_norm=True,
+        sliding_window_non_causal=_non_causal(f, layer["layer_types"]),
+        target_model_type=f.target_family,
+        verifier=f.verifier,
+    )
 
 
 def _non_causal(f: HeadFacts, layer_types) -> bool:

@@ -119,7 +119,7 @@ def _inspect_own(folder: Path, shown: Path, target, vllm_version) -> dict:
     """Our checkpoint, checked as the config.json it exports to (no tensors: orbax state)."""
     try:
         meta = json.loads((folder / OWN_CONFIG_FILE).read_text())
-        cfg = DrafterConfig.from_dict(meta.get("config") or {}, str(shown / OWN_CONFIG_FILE))
+        cfg = DrafterConfig.from_dict(meta.get("config") or {}, f"{shown / OWN_CONFIG_FILE} key 'config'")
     except ConfigError:
         raise
     except (OSError, ValueError, AttributeError) as err:

@@ -103,9 +103,11 @@ def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
     if not state_dir.is_dir():
         raise FileNotFoundError(f"{state_dir}: missing (a drafter checkpoint holds drafter.json and state/)")
     _, abstract = abstract_drafter(config, stored)
+    want = nnx.to_pure_dict(abstract)
     with local_checkpointer() as ckptr:
+        _check_stored_shapes(ckptr, state_dir, want, f"{cfg_file} key 'config'")
         try:
-            restored = ckptr.restore(state_dir.absolute(), nnx.to_pure_dict(abstract))
+            restored = ckptr.restore(state_dir.absolute(), want)
         except Exception as err:  # orbax raises many types; name the folder
             raise ValueError(f"{state_dir}: cannot restore the drafter state ({err})") from None
     arrays = {
@@ -113,6 +115,31 @@ def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
         for p, v in _flatten(restored)
     }
     return config, arrays, stored
+
+
+def _check_stored_shapes(ckptr, state_dir: Path, want: dict, where: str) -> None:
+    """ValueError naming the first tensor the state holds in another shape than the config makes
+    it (or not at all), read from the checkpoint's metadata: a restore that fails part-way leaves
+    orbax's background threads printing tracebacks. Without readable metadata the restore decides."""
+    import jax
+
+    try:
+        meta = ckptr.metadata(state_dir.absolute())
+        tree = getattr(meta, "item_metadata", meta)
+        tree = getattr(tree, "tree", tree)
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        stored = {tuple(str(getattr(k, "key", k)) for k in p): tuple(x.shape) for p, x in leaves}
+    except Exception:  # noqa: BLE001 - an older layout, or none: restore reports what is wrong
+        return
+    for path, leaf in _flatten(want):
+        name = ".".join(map(str, path))
+        if tuple(map(str, path)) not in stored:
+            raise ValueError(f"{state_dir}: no tensor {name!r}, which {where} needs")
+        if stored[tuple(map(str, path))] != tuple(leaf.shape):
+            raise ValueError(
+                f"{state_dir}: tensor {name!r} is stored as {list(stored[tuple(map(str, path))])}, but {where} "
+                f"makes it {list(leaf.shape)} (the config and the state disagree)"
+            )
 
 
 def _flatten(tree, prefix=()):

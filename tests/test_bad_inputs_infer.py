@@ -52,19 +52,18 @@ def assets(tmp_path_factory):
 
 # (case, argv with {root} / {out} placeholders, exit status, a word the error line holds, paths
 # (under {root} / {out}) that must not exist afterwards)
+GENERATE = ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/drafter", "--prompt-ids", "1,2,3"]
 CLI_CASES = [
     (
         "seed above jax.random.key's int64",
-        ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/drafter", "--prompt-ids", "1,2,3"]
-        + ["--temperature", "1", "--seed", HUGE_SEED],
+        GENERATE + ["--temperature", "1", "--seed", HUGE_SEED],
         2,
         "--seed",
         [],
     ),
     (
         "negative seed",
-        ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/drafter", "--prompt-ids", "1,2,3"]
-        + ["--seed", "-1"],
+        GENERATE + ["--seed", "-1"],
         2,
         "2**63 - 1",
         [],
@@ -87,16 +86,14 @@ CLI_CASES = [
     ),
     (
         "stop ids that are not ids",
-        ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/drafter", "--prompt-ids", "1,2,3"]
-        + ["--stop-token-ids", "abc"],
+        GENERATE + ["--stop-token-ids", "abc"],
         2,
         "argument --stop-token-ids: expected comma-separated token ids, got 'abc'",
         [],
     ),
     (
         "a stop id outside the vocabulary",
-        ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/drafter", "--prompt-ids", "1,2,3"]
-        + ["--stop-token-ids", f"3,{hf_tiny.VOCAB}"],
+        GENERATE + ["--stop-token-ids", f"3,{hf_tiny.VOCAB}"],
         1,
         f"--stop-token-ids: token id {hf_tiny.VOCAB} outside the target's vocabulary [0, {hf_tiny.VOCAB})",
         [],

@@ -163,7 +163,7 @@ def test_an_endpoint_nobody_serves_is_one_line(target, records, tmp_path):
         )
     msg = str(err.value)
     assert "\n" not in msg and f"regeneration through {url}: GET {url}/models: connection failed" in msg, msg
-    assert "after 2 tries" in msg and f"0 of {N} answers" in msg
+    assert "after 2 tries" in msg and msg.endswith("; no answer was regenerated"), msg
 
 
 def test_endpoint_urls_are_read_as_their_api_root():

@@ -194,13 +194,13 @@ def _load(args, prompt_ids=()):
     from peagle_jax.target import folder_config
 
     t0 = time.perf_counter()
-    folder = resolve(args.target, "target")
-    vocab = folder_config(folder).vocab_size
+    target_dir = resolve(args.target, "target")
+    vocab = folder_config(target_dir).vocab_size
     check_vocab(args.stop_token_ids or [], vocab, "--stop-token-ids")
     for i, row in enumerate(prompt_ids):
         check_vocab(row, vocab, "--prompt-ids" + (f" (prompt {i + 1})" if len(prompt_ids) > 1 else ""))
     status(f"loading target {args.target} ...")
-    target = pj.load_target(folder, dtype=None if args.dtype == "auto" else args.dtype)
+    target = pj.load_target(target_dir, dtype=None if args.dtype == "auto" else args.dtype)
     folders = [] if args.mode == "none" else args.drafter
     folders = [folders] if isinstance(folders, str) else folders
     drafters = [(folder, pj.load_drafter(folder)) for folder in folders]

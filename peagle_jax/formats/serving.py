@@ -6,9 +6,10 @@
 transformers` for target families whose native vLLM model captures no aux hidden states.
 `serve_lines` is the one builder of what the converter, the lint and the trainer print: that
 command (for a P-EAGLE head pinned to the vLLM releases that serve it, `engines`) and this
-project's engine on the same folder. `target_facts` reads what the checks need from a target folder's config.json (any
-family, multimodal too), `target_findings` is what stops a head from serving beside that target,
-and `resolve_verifier` finds a head's recorded target on this machine (a Hub id: in the cache).
+project's engine on the same folder. `target_facts` reads what the checks need from a target
+folder's config.json (any family, multimodal too; a head's folder is refused), `target_findings`
+is what stops a head from serving beside that target, and `resolve_verifier` finds a head's
+recorded target on this machine (a Hub id: in the cache).
 """
 
 from __future__ import annotations

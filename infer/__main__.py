@@ -1,4 +1,4 @@
-"""`python -m infer generate|bench`: speculative decoding from the command line.
+"""`python -m infer generate|bench|cost`: speculative decoding from the command line.
 
 Exit status: 0 ok, 1 the work failed (a folder, file or value the command could not use),
 2 a usage error. Errors are one line on stderr; progress lines go to stderr, results to stdout.
@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from infer.load import load_head, load_target, new_head_layers, status, target_config
 from peagle_jax.cli import (
     DefaultsFormatter,
     OneLineParser,
@@ -52,15 +53,16 @@ def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
             "--drafter",
             metavar="DIR",
             action="append",
-            help="drafter checkpoint (ours, vLLM or speculators folder, or a Hub id); repeat the flag to compare "
-            "several heads in one run; needed unless --mode none",
+            help="drafter checkpoint (ours, vLLM or speculators folder, or a Hub id), or new[:LAYERS] for a fresh "
+            "random head; repeat the flag to compare several heads in one run; needed unless --mode none",
         )
         p.add_argument("--k", type=k_list, default=[7], help="drafts per round: one K, or several (1,3,5,7)")
     else:
         p.add_argument(
             "--drafter",
             metavar="DIR",
-            help="drafter checkpoint (ours, vLLM or speculators folder, or a Hub id); needed unless --mode none",
+            help="drafter checkpoint (ours, vLLM or speculators folder, or a Hub id), or new[:LAYERS] for a fresh "
+            "random head; needed unless --mode none",
         )
         p.add_argument("--k", type=positive_int, default=7, help="drafts per round")
     p.add_argument(
@@ -69,6 +71,14 @@ def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
         choices=["parallel", "chain", "dflash", "none"],
         help="parallel = P-EAGLE (one drafter pass), chain = EAGLE-3, dflash = DFlash, none = plain decoding "
         "(default: each head's own mode)",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=["auto", "dummy"],
+        help="auto = read the target's weights; dummy = random weights of its shapes, nothing read (speed and memory "
+        "runs, as vLLM's flag): --target may then also be a preset (Llama-3.1-8B, Qwen3-8B, ...) or a folder with "
+        "only config.json",
     )
     p.add_argument(
         "--dtype",
@@ -126,7 +136,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     bench.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
     bench.add_argument("--json", dest="json_out", metavar="FILE", help="write all results to this file")
+    _cost_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "cost":
+        return _check_cost(parser, args)
+    for folder in args.drafter if isinstance(args.drafter, list) else [args.drafter]:
+        if folder and folder.startswith("new:") and new_head_layers(folder) is None:
+            parser.error(f"--drafter {folder}: expected new or new:LAYERS (LAYERS a positive integer)")
     if args.mode != "none" and not args.drafter:
         parser.error(
             f"--mode {args.mode} needs --drafter DIR" if args.mode else "--drafter DIR is needed (or --mode none)"
@@ -134,6 +150,63 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.command == "bench" and args.drafter and len(set(args.drafter)) != len(args.drafter):
         parser.error("--drafter: the same folder is given twice")
     if args.command == "bench" and args.json_out:
+        from peagle_jax.folders import unwritable
+
+        why = unwritable(Path(args.json_out), "file")
+        if why:
+            parser.error(f"--json {args.json_out}: {why}")
+    return args
+
+
+def _cost_parser(sub) -> None:
+    cost = sub.add_parser(
+        "cost",
+        help="what a round costs on this device, and the acceptance length that pays it",
+        formatter_class=Formatter,
+        description="Per (mode, K, batch): the plain decode step and its HBM roofline, the round, the drafter and "
+        "the verification alone, the break-even acceptance length (round / step), compile seconds; synthetic "
+        "prompts, so it runs on dummy weights with no tokenizer.",
+    )
+    cost.add_argument("--target", required=True, metavar="DIR", help="target folder, Hub id or (dummy) preset")
+    cost.add_argument("--load-format", default="auto", choices=["auto", "dummy"], help="dummy: random weights")
+    cost.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="target dtype")
+    cost.add_argument(
+        "--drafter",
+        default="new",
+        metavar="DIR",
+        help="a head folder, or new[:LAYERS]: a fresh random head of the default shape per mode",
+    )
+    cost.add_argument(
+        "--modes",
+        type=mode_list,
+        default=None,
+        help="parallel,chain,dflash (default: the head's own mode; with new: parallel,chain)",
+    )
+    cost.add_argument("--k", type=k_list, default=[1, 3, 5, 7], help="drafts per round")
+    cost.add_argument("--batch", type=k_list, default=[1], help="batch sizes (1,16)")
+    cost.add_argument("--prompt-len", type=positive_int, default=1024, help="prompt tokens before the timed rounds")
+    cost.add_argument("--reps", type=positive_int, default=10, help="timed calls per program (medians)")
+    cost.add_argument("--json", dest="json_out", metavar="FILE", help="write the results here (after every row)")
+
+
+MODES = ("parallel", "chain", "dflash")
+
+
+def mode_list(text: str) -> list[str]:
+    """An argparse type: drafting modes, comma separated, each once."""
+    modes = [m for m in text.replace(" ", "").split(",") if m]
+    bad = [m for m in modes if m not in MODES]
+    if not modes or bad or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(
+            f"expected some of {', '.join(MODES)}, comma separated, each once, got {text!r}"
+        )
+    return modes
+
+
+def _check_cost(parser, args) -> argparse.Namespace:
+    if args.drafter.startswith("new") and new_head_layers(args.drafter) is None and not Path(args.drafter).exists():
+        parser.error(f"--drafter {args.drafter}: expected a head folder, new or new:LAYERS")
+    if args.json_out:
         from peagle_jax.folders import unwritable
 
         why = unwritable(Path(args.json_out), "file")
@@ -180,30 +253,22 @@ def read_prompt_ids(value: str) -> list[list[int]]:
     return rows
 
 
-def status(message: str) -> None:
-    print(f"[infer] {message}", file=sys.stderr, flush=True)
-
-
 def _load(args, prompt_ids=()):
-    """(target, [(folder, drafter)], stop ids): the drafters of --drafter, none with --mode none.
-    The stop ids and `prompt_ids` are checked against the target's vocabulary (its config.json)
-    before any weight is read."""
-    import peagle_jax as pj
+    """(target, [(label, drafter)], stop ids): the drafters of --drafter (a folder, or `new[:LAYERS]`:
+    a fresh head in --mode, parallel by default), none with --mode none. The stop ids and
+    `prompt_ids` are checked against the target's vocabulary (its config.json) before any
+    weight is read."""
     from peagle_jax.engine import check_vocab
-    from peagle_jax.hub import resolve
-    from peagle_jax.target import folder_config
 
     t0 = time.perf_counter()
-    target_dir = resolve(args.target, "target")
-    vocab = folder_config(target_dir).vocab_size
+    vocab = target_config(args).vocab_size
     check_vocab(args.stop_token_ids or [], vocab, "--stop-token-ids")
     for i, row in enumerate(prompt_ids):
         check_vocab(row, vocab, "--prompt-ids" + (f" (prompt {i + 1})" if len(prompt_ids) > 1 else ""))
-    status(f"loading target {args.target} ...")
-    target = pj.load_target(target_dir, dtype=None if args.dtype == "auto" else args.dtype)
+    target = load_target(args)
     folders = [] if args.mode == "none" else args.drafter
     folders = [folders] if isinstance(folders, str) else folders
-    drafters = [(folder, pj.load_drafter(folder)) for folder in folders]
+    drafters = [(folder, load_head(folder, target, args.mode or "parallel")) for folder in folders]
     status(f"loaded {target!r}" + "".join(f" and {d!r}" for _, d in drafters) + f" in {time.perf_counter() - t0:.1f}s")
     return target, drafters, args.stop_token_ids
 
@@ -244,7 +309,7 @@ def check_k(args) -> None:
     from peagle_jax.engine import check_depth
     from peagle_jax.formats import target_facts
 
-    if args.mode == "none":
+    if getattr(args, "mode", None) == "none":
         return
     try:
         limit = target_facts(args.target)["max_position_embeddings"]
@@ -264,6 +329,11 @@ def _work(args) -> int:
 
 def _dispatch(args) -> int:
     check_k(args)
+    if args.command == "cost":
+        from infer import cost
+
+        cost.run(args)
+        return 0
     if args.command == "generate":
         run_generate(args)
         return 0

@@ -48,52 +48,70 @@ def _verify_only(aux_layer_ids, tdef, tstate, tokens, positions, cache):
     return out.logits, out.aux_hidden
 
 
-def _median_ms(fn, reps: int) -> float:
-    jax.block_until_ready(fn())  # compile / warm
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """A program's first call less one warm call (its compilation, about) and its median ms."""
+
+    compile_s: float
+    ms: float
+
+
+def timed(fn, reps: int) -> Timing:
+    """Times `fn` (returning device arrays): its first call, then the median of `reps` calls."""
+    t = time.perf_counter()
+    jax.block_until_ready(fn())
+    first = time.perf_counter() - t
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+    median = statistics.median(times)
+    return Timing(max(first - median, 0.0), 1000 * median)
 
 
-def round_ms(dec: SpeculativeDecoder, prompt, reps: int = 5) -> float:
-    """Median wall time of one whole round (verify + accept + draft) after `prompt`."""
-    cfg, _, state = dec.start([prompt], max_new_tokens=(reps + 2) * (dec.k + 1) + 8)
+def _as_batch(prompts) -> list:
+    """One prompt (ids or text) or a batch of them -> a batch."""
+    return prompts if prompts and isinstance(prompts[0], (list, tuple)) else [prompts]
+
+
+def round_timing(dec: SpeculativeDecoder, prompts, reps: int = 5) -> Timing:
+    """One whole round (verify + accept + draft) after `prompts` (one prompt or a batch);
+    in mode "none", one plain decode step."""
+    cfg, _, state = dec.start(_as_batch(prompts), max_new_tokens=(reps + 2) * (dec.k + 1) + 8)
     mods = dec.modules()
-    state = sp.jit_round(cfg, *mods, state)  # compile
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        state = jax.block_until_ready(sp.jit_round(cfg, *mods, state))
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
+    box = [state]
+
+    def step():
+        box[0] = sp.jit_round(cfg, *mods, box[0])  # the state is donated: each call takes the last one
+        return box[0]
+
+    return timed(step, reps)
+
+
+def round_ms(dec: SpeculativeDecoder, prompts, reps: int = 5) -> float:
+    """Median wall time of one whole round after `prompts` (`round_timing`)."""
+    return round_timing(dec, prompts, reps).ms
 
 
 def round_breakdown(dec: SpeculativeDecoder, prompts, reps: int = 5) -> dict:
     """Milliseconds per round of the drafter alone (half the drafts accepted) and of the
-    target's verification of K+1 tokens alone, timed on the state after `prompts` (one
-    prompt, or a batch of them)."""
-    batch = prompts if prompts and isinstance(prompts[0], (list, tuple)) else [prompts]
-    cfg, _, state = dec.start(batch, max_new_tokens=8)
+    target's verification of K+1 tokens alone, and each program's compile seconds, timed on
+    the state after `prompts` (one prompt, or a batch of them)."""
+    cfg, _, state = dec.start(_as_batch(prompts), max_new_tokens=8)
     tdef, tstate, ddef, dstate = dec.modules()
     k, b = dec.k, state.last.shape[0]
     slots = jnp.arange(k + 1)[None, :]
     positions = state.length[:, None] + slots
     tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
-    result = {
-        "target_ms_per_round": _median_ms(
-            lambda: _verify_only(cfg.aux_layer_ids, tdef, tstate, tokens, positions, state.target_cache), reps
-        )
-    }
+    verify = timed(lambda: _verify_only(cfg.aux_layer_ids, tdef, tstate, tokens, positions, state.target_cache), reps)
+    result = {"target_ms_per_round": verify.ms, "target_compile_s": verify.compile_s}
     if dec.mode != "none":
         aux = jnp.zeros((b, k + 1, dec.drafter.config.fc_in), state.target_cache[0][0].dtype)  # the aux states it reads
         n = jnp.full((b,), k // 2, jnp.int32)
         draft_pos = jnp.where(slots <= n[:, None], positions, -1)
-        result["drafter_ms_per_round"] = _median_ms(
-            lambda: _draft_only(cfg, ddef, dstate, tokens, aux, draft_pos, n, state.drafter_cache), reps
-        )
+        draft = timed(lambda: _draft_only(cfg, ddef, dstate, tokens, aux, draft_pos, n, state.drafter_cache), reps)
+        result.update(drafter_ms_per_round=draft.ms, drafter_compile_s=draft.compile_s)
     return result
 
 

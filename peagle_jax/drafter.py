@@ -280,5 +280,6 @@ def head_config(
         layer_types=tuple(layer_types) if layer_types is not None else (default_type,) * num_layers,
         sliding_window=sliding_window,
         block_size=block_size if dflash else None,
+        dummy_target=getattr(target, "load_format", "auto") == "dummy",
         **{k: bool(val) for k, val in flags.items()},
     )

@@ -68,6 +68,7 @@ class DrafterConfig:
     sliding_window: int | None = None
     block_size: int | None = None
     sliding_window_non_causal: bool = False
+    dummy_target: bool = False  # made for a target with dummy weights: its drafts mean nothing
 
     def __post_init__(self):
         if self.aux_layer_ids is not None:  # None: the default ids of the target it is paired with
@@ -202,6 +203,8 @@ class DrafterConfig:
         out["rope"] = dataclasses.asdict(self.rope)
         out["aux_layer_ids"] = None if self.aux_layer_ids is None else list(self.aux_layer_ids)
         out["layer_types"] = list(self.layer_types)
+        if not self.dummy_target:  # written only when true: every other head's drafter.json is unchanged
+            del out["dummy_target"]
         return out
 
     @classmethod

@@ -36,7 +36,7 @@ __all__ = [
     "repo_id_of",
 ]
 
-KINDS = ("target", "head", "dataset")
+KINDS = ("target", "config", "head", "dataset")
 DATA_SUFFIXES = (".parquet", ".arrow", ".jsonl", ".json", ".jsonl.gz", ".json.gz", ".csv")
 # what the weights reader opens: one file, or an index and the shards transformers names model-0000i-of-0000n
 WEIGHTS = ("config.json", "model*.safetensors", "model.safetensors.index.json")
@@ -63,6 +63,10 @@ def patterns(kind: str) -> list[str]:
         from peagle_jax.weights import TOKENIZER_FILES  # here: importing this module stays free of JAX
 
         return [*WEIGHTS, *TOKENIZER_FILES]
+    if kind == "config":  # a target's shape and tokenizer without its weights (dummy weights)
+        from peagle_jax.weights import TOKENIZER_FILES
+
+        return ["config.json", *TOKENIZER_FILES]
     if kind == "head":
         return [*WEIGHTS, "drafter.json", "state/*"]  # vLLM / speculators heads, and ours
     if kind == "dataset":

@@ -31,10 +31,12 @@ from flax import nnx
 from peagle_jax.cli import one_line
 from peagle_jax.config import TargetConfig, validate_aux_layer_ids
 from peagle_jax.config_fields import GENERATION_FIELDS, ConfigError, check_fields, read_json
+from peagle_jax.dummy import LOAD_FORMATS, dummy_params
 from peagle_jax.engine import cache as kv
 from peagle_jax.formats import refuse_head
 from peagle_jax.hub import resolve
 from peagle_jax.models.decoder import DecoderOutput, embedding_arrays
+from peagle_jax.models.presets import PRESETS, preset_fields
 from peagle_jax.models.registry import target_config
 from peagle_jax.sharding import shard_state
 from peagle_jax.weights import TOKENIZER_FILES, WeightsError, export_target, load_params
@@ -44,6 +46,7 @@ __all__ = [
     "folder_config",
     "load_target",
     "target_apply",
+    "target_source",
     "DecoderOutput",
 ]
 
@@ -122,12 +125,14 @@ class Target:
         self._tokenizer = None
         self._tokenizer_loaded = False
         self.mesh = None  # set by load_target(mesh=...)
+        self.load_format = "auto"  # "dummy": random weights (load_target(load_format="dummy"))
 
     def __repr__(self) -> str:
         c = self.config
         return (
             f"Target({c.model_type}, layers={c.num_layers}, hidden={c.hidden_size}, vocab={c.vocab_size}, "
-            f"dtype={self.dtype}, aux_layer_ids={self.aux_layer_ids}, path={str(self.path)!r})"
+            f"dtype={self.dtype}, aux_layer_ids={self.aux_layer_ids}, path={str(self.path)!r}"
+            + (", load_format='dummy')" if self.load_format == "dummy" else ")")
         )
 
     @property
@@ -151,6 +156,11 @@ class Target:
             self._tokenizer = None if self.path is None else load_tokenizer(self.path)
             self._tokenizer_loaded = True
         return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer) -> None:
+        """Another tokenizer than the folder's (a dummy target without one: synthetic token ids)."""
+        self._tokenizer, self._tokenizer_loaded = tokenizer, True
 
     def _check_tokens(self, tokens, name="input_ids") -> np.ndarray | jax.Array:
         if isinstance(tokens, jax.Array):
@@ -285,13 +295,41 @@ def folder_config(folder: str | os.PathLike) -> TargetConfig:
     return target_config(folder)
 
 
+def target_source(spec: str | os.PathLike, load_format: str = "auto") -> tuple[TargetConfig, Path | None]:
+    """(config, folder) of a target spec, no weight read: a folder or a Hub id (its config.json;
+    with `load_format` "dummy" only config.json and the tokenizer files are fetched), or with
+    "dummy" also a preset name of `peagle_jax.models.presets` (folder None). ConfigError of one
+    line for a spec that is none of these."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r}: expected one of {', '.join(LOAD_FORMATS)}")
+    dummy = load_format == "dummy"
+    fields = preset_fields(spec) if dummy and not Path(spec).exists() else None
+    if fields is not None:
+        return target_config(fields), None
+    folder = resolve(spec, "config" if dummy else "target")
+    if not folder.is_dir():
+        presets = f", nor a preset ({', '.join(PRESETS)})" if dummy else ""
+        raise WeightsError(f"{folder}: no such folder{presets}")
+    return folder_config(folder), folder
+
+
 def load_target(
-    path: str | os.PathLike, dtype: str | None = None, aux_layer_ids: Sequence[int] | None = None, mesh=None
+    path: str | os.PathLike,
+    dtype: str | None = None,
+    aux_layer_ids: Sequence[int] | None = None,
+    mesh=None,
+    *,
+    load_format: str = "auto",
+    seed: int = 0,
 ) -> Target:
     """Loads a Hugging Face folder (config.json + safetensors) as a `Target`; `path` may be a Hub id
     ("org/name": downloaded once into the Hugging Face cache, `peagle_jax.hub`; a local folder of
     that name wins).
 
+    load_format: "auto" reads the weights; "dummy" reads none (`peagle_jax.dummy`: random values
+    of the right shapes and dtype made on the device from `seed`, as vLLM's `--load-format
+    dummy`), and `path` may also be a preset name ("Llama-3.1-8B": `peagle_jax.models.presets`)
+    or a folder with only config.json. `Target.load_format` says which.
     mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` (see `peagle_jax.sharding.make_mesh`):
     the weights are placed on it by the sharding rule table (tensor parallel over `tensor`);
     the jitted entry points and the speculative engine then run sharded, unchanged.
@@ -303,16 +341,18 @@ def load_target(
     generation_config.json are checked field by field (`config.TARGET_FIELDS`) before any weight
     is read; the tokenizer is loaded on first use (`Target.tokenizer`).
     """
-    folder = resolve(path, "target")
-    if not folder.is_dir():
-        raise WeightsError(f"{folder}: no such folder")
-    cfg = folder_config(folder)
+    cfg, folder = target_source(path, load_format)
     # fail before reading any weight
     validate_aux_layer_ids(cfg.default_aux_layer_ids() if aux_layer_ids is None else aux_layer_ids, cfg.num_layers)
-    generation_eos_ids(folder, cfg.vocab_size)
-    graphdef, state = load_params(folder, cfg, default_dtype() if dtype is None else dtype)
-    if mesh is not None:
-        state = shard_state(state, mesh)
+    if folder is not None:
+        generation_eos_ids(folder, cfg.vocab_size)
+    dtype = default_dtype() if dtype is None else dtype
+    if load_format == "dummy":
+        graphdef, state = dummy_params(cfg, dtype, seed, mesh)
+    else:
+        graphdef, state = load_params(folder, cfg, dtype)
+        state = state if mesh is None else shard_state(state, mesh)
     target = Target(cfg, graphdef, state, aux_layer_ids=aux_layer_ids, path=folder)
     target.mesh = mesh
+    target.load_format = load_format
     return target

@@ -21,6 +21,7 @@ from peagle_jax import hub
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET, HEAD, DATA, GATED = "someorg/tiny", "someorg/tiny-head", "someorg/chats", "someorg/gated"
+SHAPE_ONLY = "someorg/tiny-shape"  # the same folder, loaded with dummy weights
 # what a target's snapshot may hold (`hub.patterns("target")`): the tiny target has these of them
 TARGET_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
 CLEAN_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_DATASETS_CACHE")
@@ -77,6 +78,7 @@ def stand_in(folders):
         h.add_folder(HEAD, folders["head"])
         h.add_folder(DATA, folders["data"], kind="dataset")
         h.add_folder(GATED, folders["target"], gated=True)
+        h.add_folder(SHAPE_ONLY, folders["target"])
         yield h
 
 
@@ -314,3 +316,12 @@ def test_resolve_returns_local_paths_and_non_ids_without_a_request(tmp_path, mon
     assert hub.resolve("runs/a/b", "dataset") == Path("runs/a/b")
     with pytest.raises(ValueError, match="unknown kind"):
         hub.patterns("model")
+
+
+def test_dummy_weights_fetch_the_config_and_tokenizer_only(stand_in, tmp_path):
+    code = "import sys, peagle_jax as pj; t = pj.load_target(sys.argv[1], load_format='dummy'); "
+    code += "print(t.config.num_layers, t.load_format, t.tokenizer is not None)"
+    r = run(["-c", code, SHAPE_ONLY], hub_env(stand_in.endpoint, tmp_path / "home"))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["4", "dummy", "True"]
+    assert stand_in.fetched(SHAPE_ONLY) == [f for f in TARGET_FILES if f != "model.safetensors"]

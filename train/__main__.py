@@ -40,6 +40,8 @@ def train(cfg, hooks: Sequence = ()) -> int:
         print(f"data prepared: {summary['out']}/summary.json (data.prepare_only: no head trained)")
         return 0
     check_losses(summary)
+    if summary.get("target_load_format") == "dummy":
+        print("note: the target's weights were dummy (random): the figures below measure speed, not learning")
     print(f"head: {summary['head_dir']}")
     print(f"vllm: {summary['vllm_dir']}")
     acc = ", ".join(f"{a:.2f}" for a in summary["per_depth_accuracy"])

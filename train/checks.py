@@ -64,6 +64,7 @@ def _choice_checks(cfg) -> list[tuple[bool, str]]:
     m, d, o = cfg.model, cfg.data, cfg.optim
     return [
         (m.mode in ("parallel", "chain", "dflash"), f"model.mode must be parallel, chain or dflash, got {m.mode!r}"),
+        (m.load_format in ("auto", "dummy"), f"model.load_format must be auto or dummy, got {m.load_format!r}"),
         (m.dtype in ("float32", "bfloat16"), f"model.dtype must be float32 or bfloat16: {m.dtype!r}"),
         (m.compute_dtype in ("float32", "bfloat16"), "model.compute_dtype must be float32 or bfloat16"),
         (m.attention in ("auto", "kernels", "dense"), "model.attention must be auto, kernels or dense"),

@@ -42,6 +42,11 @@ class ModelConfig:
     """Target: a Hugging Face folder, a Hub id (org/name: downloaded once into the Hugging Face cache; a local folder of
     that name wins), an asset name of peagle_jax.assets (prepared on first use), or 'tiny' (a random tiny Llama built
     into OUT/tiny-target)."""
+    load_format: str = "auto"
+    """auto = read the target's weights; dummy = random weights of its shapes, nothing read (speed and memory runs, as
+    vLLM's --load-format dummy): model.target may then also be a preset (Llama-3.1-8B, Qwen3-8B, ...) or a folder with
+    only config.json; without a tokenizer the synthetic data's word tokenizer stands in. The head says so
+    (drafter.json 'dummy_target': true) and inspect warns."""
     dtype: str = "float32"
     """Storage dtype of target and head (float32 | bfloat16): the head's master weights and optimizer state."""
     compute_dtype: str = "float32"

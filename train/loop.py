@@ -50,7 +50,15 @@ def serve_fields(vllm_dir: Path, target_path, k_train: int, mode: str, family: s
 
 
 def resolve_target(cfg: C.TrainConfig, out: Path) -> Path:
+    """The target's folder; with dummy weights a preset name stays a name (no folder) and a Hub
+    id fetches config.json and the tokenizer only."""
     name = cfg.model.target
+    dummy = cfg.model.load_format == "dummy"
+    if dummy and not Path(name).exists():
+        from peagle_jax.models.presets import preset_fields
+
+        if preset_fields(name) is not None:
+            return Path(name)
     if name == "tiny":
         from train.tiny import build_tiny_target
 
@@ -60,7 +68,7 @@ def resolve_target(cfg: C.TrainConfig, out: Path) -> Path:
     from peagle_jax import assets, hub
 
     if name not in assets.ASSETS and hub.is_repo_id(name):
-        return hub.download(name, "target")  # its errors are one line naming the id
+        return hub.download(name, "config" if dummy else "target")  # its errors are one line naming the id
     try:
         return assets.prepare(name)
     except Exception as e:  # noqa: BLE001
@@ -403,10 +411,23 @@ def load_target(cfg: C.TrainConfig, out: Path):
     if not dist.is_main():
         tpath = resolve_target(cfg, out)
     dtype = "bfloat16" if cfg.model.compute_dtype == "bfloat16" else cfg.model.dtype
-    target = pj.load_target(tpath, dtype=dtype)  # placed on the mesh by the Trainer
+    target = pj.load_target(tpath, dtype=dtype, load_format=cfg.model.load_format)  # placed on the mesh by the Trainer
+    if target.tokenizer is None and cfg.model.load_format == "dummy":
+        target.tokenizer = word_tokenizer(target, tpath)
     if target.tokenizer is None:
         raise TrainError(f"{tpath}: the target folder has no tokenizer (tokenizer.json / tokenizer.model)")
     return tpath, target
+
+
+def word_tokenizer(target, tpath):
+    """The synthetic data's word tokenizer (`train.tiny`), standing in for a dummy target's missing
+    one: its few ids are valid in any vocabulary at least as large."""
+    from train.tiny import tokenizer
+
+    tok = tokenizer()
+    if len(tok) > target.config.vocab_size:
+        raise TrainError(f"{tpath}: no tokenizer, and a vocabulary of {target.config.vocab_size} < {len(tok)} words")
+    return tok
 
 
 def feature_cache(cfg: C.TrainConfig, trainer: Trainer, tpath: Path):
@@ -423,8 +444,9 @@ def export_head(head, out: Path, tpath: Path, cfg: C.TrainConfig):
 
     head_dir = head.save(out / "head")
     try:
+        folder = tpath if Path(tpath).is_dir() else None  # a dummy preset has none
         vllm_dir, report = export_drafter(
-            head_dir, out / "vllm", "vllm", dtype=cfg.eval.export_dtype, target=tpath, overwrite=True
+            head_dir, out / "vllm", "vllm", dtype=cfg.eval.export_dtype, target=folder, overwrite=True
         )
     except Exception as e:  # noqa: BLE001 - export refused (inspect found a problem)
         raise TrainError(f"export refused: {str(e).splitlines()[0]}") from None
@@ -463,6 +485,7 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
         "data": ds.stats,
         "draft_vocab_size": trainer.drafter.config.draft_vocab_size,
         "resumed_from_step": start,
+        "target_load_format": cfg.model.load_format,
     }
 
 

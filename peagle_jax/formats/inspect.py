@@ -130,6 +130,11 @@ def _inspect_own(folder: Path, shown: Path, target, vllm_version) -> dict:
         fnd.problem(f"{shown / OWN_STATE_DIR}: missing (our checkpoint holds drafter.json and state/)")
     else:
         _check_own_finite(folder, shown, fnd)
+    if cfg.dummy_target:
+        fnd.warn(
+            f"{shown / OWN_CONFIG_FILE}: made for a target with dummy (random) weights (key 'config': "
+            "'dummy_target': true): for speed and memory runs only, its drafts are meaningless"
+        )
     facts = head_facts(raw, str(shown / OWN_CONFIG_FILE))
     report = _report(folder, shown, raw, facts, cfg.mode, target, fnd, vllm_version, own=True)
     report.update(format="own", architecture=None, speculators_model_type=None, dtype=meta.get("dtype"), serve=None)

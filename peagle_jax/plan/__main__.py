@@ -17,8 +17,8 @@ from pathlib import Path
 
 from peagle_jax.cli import OneLineParser, positive_int, run
 from peagle_jax.folders import atomic_write_text, unwritable
+from peagle_jax.models.presets import PRESETS, target_config
 from peagle_jax.plan.devices import deviceless_env, parse_device
-from peagle_jax.plan.presets import PRESETS, target_config
 
 
 def parser() -> OneLineParser:

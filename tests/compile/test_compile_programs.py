@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from kernels.limits import on_device
+from peagle_jax.models.presets import target_config
 from peagle_jax.plan.devices import parse_device
-from peagle_jax.plan.presets import target_config
 from peagle_jax.plan.programs import abstract_target, compile_program, mesh_of
 from peagle_jax.plan.run import MODES, job_programs
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from limits import HANG_S
 
-from peagle_jax.plan.presets import PRESETS
+from peagle_jax.models.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 DECODE = ["--device", "v5e-8", "--job", "serve", "--layers", "3", "--modes", "none"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from peagle_jax.models import gpt_oss
 
-__all__ = ["PRESETS", "target_config"]
+__all__ = ["PRESETS", "preset_fields", "target_config"]
 
 _LLAMA3_ROPE = {
     "rope_type": "llama3",
@@ -123,12 +123,17 @@ PRESETS = {
 }
 
 
+def preset_fields(name: str) -> dict | None:
+    """The config.json fields of a preset (its name in any case), else None."""
+    preset = {k.lower(): v for k, v in PRESETS.items()}.get(str(name).lower())
+    return None if preset is None else dict(preset)
+
+
 def target_config(spec: str, layers: int | None):
     """The TargetConfig of a preset name or a folder (only its config.json is read)."""
     from peagle_jax.models.registry import target_config as parse
 
-    preset = {k.lower(): v for k, v in PRESETS.items()}.get(spec.lower())
-    fields = dict(preset) if preset is not None else None
+    fields = preset_fields(spec)
     if fields is None and not Path(spec).exists():
         raise ValueError(f"--target {spec!r}: neither a folder nor a preset ({', '.join(PRESETS)})")
     cfg = parse(fields if fields is not None else Path(spec))

@@ -1,0 +1,58 @@
+"""Loading what a command runs: the target (its weights, or dummy ones) and heads (a folder, or a
+fresh random one). JAX and the library load inside the functions: the CLI parses its flags first."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from peagle_jax.cli import positive_int
+
+NEW_DRAFT_VOCAB = 16384  # train's model.draft_vocab default
+
+
+def status(message: str) -> None:
+    print(f"[infer] {message}", file=sys.stderr, flush=True)
+
+
+def new_head_layers(spec: str) -> int | None:
+    """The layers of a fresh head (`new` = 1, `new:LAYERS`), None when `spec` names a folder."""
+    if spec == "new":
+        return 1
+    if not spec.startswith("new:"):
+        return None
+    try:
+        return positive_int(spec[4:])
+    except argparse.ArgumentTypeError:
+        return None
+
+
+def target_config(args):
+    """The target's config from --target and --load-format, no weight read."""
+    from peagle_jax.target import target_source
+
+    return target_source(args.target, args.load_format)[0]
+
+
+def load_target(args):
+    import peagle_jax as pj
+
+    how = "with dummy weights" if args.load_format == "dummy" else "..."
+    status(f"loading target {args.target} {how}")
+    dtype = None if args.dtype == "auto" else args.dtype
+    return pj.load_target(args.target, dtype=dtype, load_format=args.load_format)
+
+
+def load_head(spec: str, target, mode: str):
+    """A head folder, or a fresh random head (`new[:LAYERS]`) of the default shape in `mode`
+    (the trainer's default draft vocabulary: the first 16384 ids stand in for the most frequent)."""
+    import numpy as np
+
+    import peagle_jax as pj
+
+    layers = new_head_layers(spec)
+    if layers is None:
+        return pj.load_drafter(spec)
+    vocab = target.config.vocab_size
+    draft_vocab = np.arange(NEW_DRAFT_VOCAB) if vocab > NEW_DRAFT_VOCAB else None
+    return pj.new_drafter(target, num_layers=layers, mode=mode, draft_vocab=draft_vocab, seed=0)

@@ -27,6 +27,7 @@ from peagle_jax.drafter import Drafter, head_config
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
 from peagle_jax.models.drafter import abstract_drafter, flat_state, param_key
+from peagle_jax.plan.launches import Launches, count_launches
 from peagle_jax.plan.roofline import gathered_bytes, jaxpr_flops
 from peagle_jax.sharding import AXES, kernels_partitioned, role_sharding, state_shardings, tree_shardings
 from peagle_jax.target import Target
@@ -49,7 +50,8 @@ class Program:
     output_bytes: int = 0
     alias_bytes: int = 0
     compile_seconds: float = 0.0
-    kernels: tuple[str, ...] = ()
+    kernels: tuple[str, ...] = ()  # the project's Pallas kernels in it
+    launches: Launches | None = None  # the kernels it launches (`launches.count_launches`)
     flops: float | None = None  # the jaxpr's, global (`roofline.jaxpr_flops`)
     gathered_bytes: int = 0  # per device: the arguments only gathered from (`roofline.gathered_inputs`)
 
@@ -108,6 +110,7 @@ def compile_program(name: str, trace) -> Program:
             name, False, error=f"{type(err).__name__}: {msg[:400]}", compile_seconds=time.perf_counter() - t0
         )
     mem = compiled.memory_analysis()
+    launches = count_launches(compiled.as_text() or "")
     return Program(
         name,
         True,
@@ -117,6 +120,7 @@ def compile_program(name: str, trace) -> Program:
         alias_bytes=int(mem.alias_size_in_bytes),
         compile_seconds=time.perf_counter() - t0,
         kernels=tuple(sorted(set(KERNEL_NAME.findall(text)))),
+        launches=launches,
         flops=flops,
         gathered_bytes=gathered_bytes(traced.jaxpr, compiled),
     )

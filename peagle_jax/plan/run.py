@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from peagle_jax.plan.devices import Device, topology_devices
+from peagle_jax.plan.launches import Launches
 from peagle_jax.plan.programs import (
     Program,
     abstract_head,
@@ -48,9 +49,16 @@ def line(p: Program, device: Device, headroom: float) -> str:
         f"compiled {p.name}: {verdict}; per device args {p.argument_bytes / GiB:.2f} + temp {p.temp_bytes / GiB:.2f}"
         f" + out {p.output_bytes / GiB:.2f} - aliased {p.alias_bytes / GiB:.2f} = {p.peak_bytes / GiB:.2f} GiB"
         f" of {mem / GiB:.1f} GiB (headroom {(mem - p.peak_bytes) / GiB:.2f} GiB);"
-        f" kernels: {', '.join(p.kernels) or 'none'}; {_estimate_text(program_estimate(p, device))};"
+        f" kernels: {', '.join(p.kernels) or 'none'}; {_launches_text(p.launches)};"
+        f" {_estimate_text(program_estimate(p, device))};"
         f" {p.compile_seconds:.1f} s"
     )
+
+
+def _launches_text(n: Launches | None) -> str:
+    if n is None:
+        return "launches unknown"
+    return f"{n.total} kernel launches ({n.fusions} fusions, {n.custom_calls} custom calls, {n.other} other)"
 
 
 def _estimate_text(e: Estimate) -> str:
@@ -141,6 +149,7 @@ def _search_sizes(args) -> list[int]:
 
 def _record(p: Program, device: Device, headroom: float, **sizes) -> dict:
     rec = dataclasses.asdict(p) | sizes
+    rec["launches"] = None if p.launches is None else {**rec["launches"], "total": p.launches.total}
     rec.update(peak_bytes=p.peak_bytes, device_memory_bytes=device.memory_bytes, fits=fits(p, device, headroom))
     rec["headroom_bytes"] = device.memory_bytes - p.peak_bytes if p.compiled else None
     est = program_estimate(p, device)

@@ -328,7 +328,10 @@ def _work(args) -> int:
 
 
 def _dispatch(args) -> int:
+    from peagle_jax.compile_cache import enable_compile_cache
+
     check_k(args)
+    args.compile_cache = enable_compile_cache()  # before the first compile
     if args.command == "cost":
         from infer import cost
 

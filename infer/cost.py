@@ -203,6 +203,7 @@ def run(args) -> dict:
         device=str(jax.devices()[0].device_kind),
         jax=jax.__version__,
         prompt_len=args.prompt_len,
+        compile_cache=None if getattr(args, "compile_cache", None) is None else str(args.compile_cache),
         reps=args.reps,
     )
     with phase(report, f"heads ({args.drafter})"):

@@ -31,7 +31,10 @@ def main(argv=None, hooks: Sequence = ()) -> int:
 
 
 def train(cfg, hooks: Sequence = ()) -> int:
+    from peagle_jax.compile_cache import enable_compile_cache
     from train.loop import run
+
+    enable_compile_cache()  # before the first compile
 
     summary = run(cfg, hooks)
     if summary is None:  # a process other than 0 of a multi-host run: process 0 reports

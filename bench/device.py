@@ -58,8 +58,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("kernels", "train_step", "train_head", "evaluate")
-SHARES = {"kernels": 0.15, "train_step": 0.20, "evaluate": 0.20}  # train_head: the rest
+STAGES = ("kernels", "cost", "train_step", "train_head", "evaluate")
+SHARES = {"kernels": 0.15, "cost": 0.20, "train_step": 0.20, "evaluate": 0.15}  # train_head: the rest
+HEAD_STAGES = ("train_head", "evaluate")  # they need real weights and data: not run on dummy weights
+# infer cost: the goal rows first (K=7, batch 1, a 4k cache), so a stage cut short still has them
+COST_FLAGS = ["--modes", "parallel,chain", "--k", "7,1,3,5,2,4,6", "--batch", "1,16,64", "--prompt-len", "4096,32768"]
+SMOKE_COST_FLAGS = ["--modes", "parallel,chain", "--k", "1,3", "--batch", "1", "--prompt-len", "32", "--reps", "2"]
+SMOKE_TARGET = {  # a tiny config.json for --smoke's dummy-weight stages
+    "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 512,
+}  # fmt: skip
 MARGIN, SMOKE_FLOOR_S = 0.02, 8.0
 KS, SMOKE_KS = "1,2,3,4,5,6,7", "1,2,3"
 ACCELERATORS = ("gpu", "tpu")
@@ -159,6 +167,44 @@ def prepare_assets(run: Run) -> dict:
     return {**rec, "seconds": round(time.monotonic() - t0, 1), "log": "logs/assets.log"}
 
 
+# --------------------------------------------------------------------------- what the image lacks
+def missing_packages() -> list[str]:
+    """The project's own requirements (pyproject.toml's dependencies) that are not installed in
+    this Python at all, as `name==version` pins (a version other than the pinned one that is
+    installed is left alone: the playbook runs with what the image has)."""
+    import importlib.metadata
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    missing = []
+    for dep in deps:
+        name = re.match(r"[A-Za-z0-9_.\-]+", dep).group(0)
+        try:
+            importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dep.split(";")[0].split("#")[0].strip().replace(" ", ""))
+    return missing
+
+
+def wheel_lines(missing: list[str]) -> list[str]:
+    """What to run to bring `missing` to a machine without the network: download the wheels where
+    pip reaches PyPI (with their own dependencies), then install them here from the folder."""
+    if not missing:
+        return []
+    pins = " ".join(f"'{m}'" for m in missing)
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    platforms = " ".join(
+        f"--platform {p}" for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+    )
+    return [
+        f"not installed here, and python -m train / infer import them: {', '.join(missing)}",
+        f"bring them as wheels (a few MiB): where pip reaches PyPI, in the repository: python3 -m pip download "
+        f"--only-binary=:all: --python-version {py} --implementation cp {platforms} -d .whl {pins}",
+        f"then here, before this script: python3 -m pip install --no-index --find-links .whl {pins}",
+    ]
+
+
 # --------------------------------------------------------------------------- the budget
 def shares(stages=STAGES) -> dict[str, float]:
     """Each selected stage's share of the budget: SHARES (train_head the rest) scaled so that the
@@ -223,8 +269,32 @@ class Run:
 def _self(run: Run, stage: str, seconds: float) -> list[str]:
     """One stage's child: bench/device_stages.py beside this script."""
     cmd = [sys.executable, str(Path(__file__).resolve().with_name("device_stages.py")), "--stage", stage]
-    cmd += ["--out", str(run.out)]
+    cmd += ["--out", str(run.out), "--target", run.args.target, "--load-format", run.args.load_format]
     return cmd + ["--seconds", f"{seconds:.0f}"] + (["--smoke"] if run.smoke else [])
+
+
+def target_folder(run: Run) -> str:
+    """What `--target` names for a command line: --smoke's tiny config (written here, run with dummy
+    weights), an asset's prepared folder (`peagle_jax.assets`), else the name itself (a folder, a Hub
+    id, a preset)."""
+    if run.smoke:
+        folder = run.path("smoke-target")
+        folder.mkdir(exist_ok=True)
+        write_json(folder / "config.json", SMOKE_TARGET)
+        return str(folder)
+    sys.path.insert(0, str(ROOT))
+    from peagle_jax.assets import ASSETS, prepare
+
+    return str(prepare(run.args.target)) if run.args.target in ASSETS else run.args.target
+
+
+def cost_plan(run: Run) -> list[list[str]]:
+    """`python -m infer cost` of --target with fresh heads (P-EAGLE and EAGLE-3): its rows (the
+    plain step and its roofline, each round, break-even acceptance, compile seconds) in DIR/cost.json."""
+    cmd = [sys.executable, "-m", "infer", "cost", "--target", target_folder(run), "--drafter", "new"]
+    load_format = "dummy" if run.smoke else run.args.load_format
+    cmd += ["--load-format", load_format, *(SMOKE_COST_FLAGS if run.smoke else COST_FLAGS)]
+    return [cmd + ["--json", str(run.path("cost.json"))]]
 
 
 def kernels_plan(run: Run, seconds: float):
@@ -356,6 +426,8 @@ def plan_stage(run: Run, name: str, seconds: float):
     if name == "kernels":
         cmds, skip = kernels_plan(run, seconds)
         return cmds, {}, skip, env
+    if name == "cost":
+        return cost_plan(run), {}, None, env
     if name == "train_step":
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the longest that fits: most of the device
         return [_self(run, "train_step", seconds)], {}, None, env
@@ -370,6 +442,7 @@ def plan_stage(run: Run, name: str, seconds: float):
 
 COLLECT = {
     "kernels": kernels_results,
+    "cost": lambda run: read_json(run.path("cost.json")) or {},
     "train_step": lambda run: read_json(run.path("stages", "train_step.json")) or {},
     "train_head": head_results,
     "evaluate": evaluate_results,
@@ -379,6 +452,8 @@ COLLECT = {
 def run_stage(run: Run, name: str) -> dict:
     """Runs stage `name` within its share of the time left: its record for results.json."""
     args = run.args
+    if name in HEAD_STAGES and args.load_format == "dummy":
+        return {"status": "skipped: dummy weights (no head worth training or evaluating)", "seconds": 0.0}
     if name not in args.stages:
         return {"status": "skipped: not selected (--stages)", "seconds": 0.0}
     seconds = stage_timeout(name, run.total, run.left(), run.smoke, args.stages)
@@ -406,12 +481,16 @@ def run_stage(run: Run, name: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    missing = missing_packages()
+    for line in wheel_lines(missing):  # before anything: a bare image says at once what to bring
+        print(f"[device] {line}", flush=True)
     run = Run(args, argv)
+    run.results["missing_packages"] = missing
     for sub in ("logs", "stages", "kernels"):
         run.path(sub).mkdir(parents=True, exist_ok=True)
     run.results["device"] = probe_device()
     run.platform = run.results["device"]["platform"]
-    if not run.smoke and set(args.stages) - {"kernels"}:  # the stages that load Gemma-3-270M
+    if not run.smoke and args.load_format == "auto" and set(args.stages) - {"kernels"}:  # they load Gemma-3-270M
         run.results["assets"] = prepare_assets(run)
     run.save()
     for name in STAGES:
@@ -434,12 +513,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output folder (new or empty): results.json, logs, the head")
     p.add_argument("--smoke", action="store_true", help="CPU dry run of every stage at tiny sizes (< 90 s)")
     p.add_argument("--stages", default=",".join(STAGES), help=f"stages to run (default: all of {','.join(STAGES)})")
+    p.add_argument(
+        "--target",
+        default="gemma3-270m",
+        help="the target of the cost and train_step stages: an asset name, a folder, a Hub id, or with "
+        "--load-format dummy a preset (Llama-3.1-8B, ...) or a folder with only config.json",
+    )
+    p.add_argument(
+        "--load-format",
+        default="auto",
+        choices=("auto", "dummy"),
+        help="dummy: random weights, nothing to fetch (a bare machine); train_head and evaluate are skipped",
+    )
     p.add_argument("--fail-stage", choices=STAGES, help="testing: make this stage's child fail")
     p.add_argument("--hang-stage", choices=STAGES, help="testing: make this stage's child hang past its budget")
     args = p.parse_args(argv)
     args.stages = [s for s in args.stages.split(",") if s]
     if bad := [s for s in args.stages if s not in STAGES]:
         p.error(f"--stages: unknown stage(s) {', '.join(bad)}; choose from {', '.join(STAGES)}")
+    if args.load_format == "dummy":  # their shares go to the other stages
+        args.stages = [s for s in args.stages if s not in HEAD_STAGES]
     if not args.minutes > 0:
         p.error("--minutes must be positive")
     out = Path(args.out)

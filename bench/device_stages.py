@@ -14,7 +14,7 @@ from pathlib import Path
 
 from device import ACCELERATORS, ROOT, error_line, write_json  # bench/device.py, beside this file
 
-STEP_LENGTHS, SMOKE_STEP_LENGTHS = (4096, 16384, 32768), (64,)
+STEP_LENGTHS, SMOKE_STEP_LENGTHS = (8192, 16384, 32768), (64,)
 MAX_STEP_LENGTH, SMOKE_MAX_STEP_LENGTH = 1 << 20, 128
 RECIPE_TOKENS, SMOKE_RECIPE_TOKENS = 256, 64  # the default recipe's data.max_len; the tiny preset's
 
@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--seconds", type=float, default=60.0, help="the child's time")
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--target", default="gemma3-270m", help="an asset name, a folder, a Hub id or (dummy) a preset")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
     return stage_main(p.parse_args(argv))
 
 
@@ -34,30 +36,33 @@ def stage_main(args) -> int:
     out = Path(args.out)
     deadline = time.monotonic() + args.seconds - 10  # leave time to write and exit
     if args.stage == "train_step":
-        train_step_stage(out, out / "stages" / "train_step.json", deadline, args.smoke)
+        target = _step_target(out, args.smoke, args.target, args.load_format)
+        train_step_stage(target, out / "stages" / "train_step.json", deadline, args.smoke)
     else:
         tpu_kernels_stage(out / "kernels" / "tpu.json", deadline, args.smoke)
     return 0
 
 
-def _step_target(out: Path, smoke: bool):
-    """(target, token counts, compute dtype) of the train_step stage: Gemma-3-270M (a tiny random
-    Llama for --smoke), stored in the compute dtype as `python -m train` does."""
+def _step_target(out: Path, smoke: bool, name: str, load_format: str):
+    """(target, token counts, compute dtype) of the train_step stage: `name` (an asset, a folder, a
+    Hub id or a preset; a tiny random Llama for --smoke) with its weights or dummy ones, stored in
+    the compute dtype as `python -m train` does."""
     import jax
     import numpy as np
 
     import peagle_jax as pj
+    from peagle_jax.assets import ASSETS, prepare
 
     if smoke:
         from train.tiny import build_tiny_target
 
         path = build_tiny_target(out / "tiny-target")  # train_head and evaluate use it too
     else:
-        from peagle_jax.assets import prepare
-
-        path = prepare("gemma3-270m")
+        path = prepare(name) if name in ASSETS else name
     dtype = "bfloat16" if jax.default_backend() in ACCELERATORS else "float32"
-    target = pj.load_target(path, dtype=dtype)
+    t0 = time.perf_counter()
+    target = pj.load_target(path, dtype=dtype, load_format=load_format)
+    print(f"[train_step] target {name} ({load_format} weights) in {time.perf_counter() - t0:.1f} s", flush=True)
     counts = np.random.default_rng(0).zipf(1.3, target.config.vocab_size).astype(np.int64)
     return target, counts, dtype
 
@@ -135,6 +140,8 @@ def time_step(trainer, vocab: int, length: int, variant: str, steps: int) -> dic
     step_s = statistics.median(times)
     row.update(status="ok", step_ms=round(1e3 * step_s, 2), tokens_per_second=round(length / step_s))
     row["peak_bytes_in_use"] = _peak_bytes()
+    if row["peak_bytes_in_use"] and row.get("program_bytes"):  # the process's running peak / the program's plan
+        row["peak_over_plan"] = round(row["peak_bytes_in_use"] / row["program_bytes"], 3)
     est = step_estimate(traced, compiled, rates(device_name(jax.devices()[0])))
     if est is not None:  # the roofline estimate of `python -m peagle_jax.plan`, calibrated by the measurement
         row.update(
@@ -194,12 +201,12 @@ def attempt(fn, deadline: float, need_s: float) -> dict:
     return {**rec, "seconds": round(time.monotonic() - t0, 1)}
 
 
-def train_step_stage(out: Path, path: Path, deadline: float, smoke: bool) -> None:
+def train_step_stage(loaded, path: Path, deadline: float, smoke: bool) -> None:
     """The train_step stage: the recipe's step, then Pallas vs XLA at each length, then the Pallas
     step at doubling lengths while the previous one fitted (`path` rewritten after each)."""
     import jax
 
-    target, counts, dtype = _step_target(out, smoke)
+    target, counts, dtype = loaded
     vocab, steps = target.config.vocab_size, 2 if smoke else 5
     res = dict(platform=jax.default_backend(), compute_dtype=dtype, recipe=None, rows=[], longest_fits={})
     trainers = {v: _step_trainer(target, counts, dtype, smoke) for v in ("pallas", "xla")}

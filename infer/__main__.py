@@ -184,7 +184,9 @@ def _cost_parser(sub) -> None:
     )
     cost.add_argument("--k", type=k_list, default=[1, 3, 5, 7], help="drafts per round")
     cost.add_argument("--batch", type=k_list, default=[1], help="batch sizes (1,16)")
-    cost.add_argument("--prompt-len", type=positive_int, default=1024, help="prompt tokens before the timed rounds")
+    cost.add_argument(
+        "--prompt-len", type=k_list, default=[1024], help="prompt tokens before the timed rounds (4096,32768)"
+    )
     cost.add_argument("--reps", type=positive_int, default=10, help="timed calls per program (medians)")
     cost.add_argument("--json", dest="json_out", metavar="FILE", help="write the results here (after every row)")
 

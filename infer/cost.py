@@ -31,7 +31,18 @@ from infer.bench import round_breakdown, round_timing, timed
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.folders import atomic_write_text
 
-COLUMNS = ("mode", "K", "batch", "step ms", "round ms", "drafter ms", "verify ms", "break-even AL", "compile s")
+COLUMNS = (
+    "mode",
+    "K",
+    "batch",
+    "prompt",
+    "step ms",
+    "round ms",
+    "drafter ms",
+    "verify ms",
+    "break-even AL",
+    "compile s",
+)
 
 
 def log(message: str) -> None:
@@ -108,11 +119,12 @@ def step_bytes(target, batch: int, filled: int) -> int:
 
 def plain_row(target, report: Report, batch: int, prompts, reps: int, bandwidth: float) -> dict:
     dec = SpeculativeDecoder(target, None, mode="none")
-    with phase(report, f"plain decode step, batch {batch} (prefill, compile, {reps} timed)"):
+    with phase(report, f"plain decode step, batch {batch}, prompt {len(prompts[0])} (prefill, compile, {reps} timed)"):
         step = round_timing(dec, prompts, reps)
     nbytes = step_bytes(target, batch, len(prompts[0]))
     row = {
         "batch": batch,
+        "prompt_len": len(prompts[0]),
         "step_ms": step.ms,
         "step_compile_s": step.compile_s,
         "step_bytes": nbytes,
@@ -127,14 +139,16 @@ def round_row(target, report: Report, head, k: int, batch: int, prompts, reps: i
     """One (mode, K, batch) row: the round, its parts, the break-even acceptance length."""
     mode, drafter = head
     dec = SpeculativeDecoder(target, drafter, k=k, mode=mode, deep_k="warn")
-    with phase(report, f"{mode} K={k} batch {batch}: drafter and verification alone"):
+    where = f"{mode} K={k} batch {batch} prompt {len(prompts[0])}"
+    with phase(report, f"{where}: drafter and verification alone"):
         parts = round_breakdown(dec, prompts, reps)
-    with phase(report, f"{mode} K={k} batch {batch}: whole round"):
+    with phase(report, f"{where}: whole round"):
         whole = round_timing(dec, prompts, reps)
     row = {
         "mode": mode,
         "k": k,
         "batch": batch,
+        "prompt_len": len(prompts[0]),
         "step_ms": step_ms,
         "round_ms": whole.ms,
         "drafter_ms": parts["drafter_ms_per_round"],
@@ -148,31 +162,45 @@ def round_row(target, report: Report, head, k: int, batch: int, prompts, reps: i
     return row
 
 
-def measure(target, heads, ks, batches, prompt_len: int, reps: int, report: Report) -> dict:
-    """Every row of the command (see the module docstring); `heads` = [(mode, drafter)]."""
+def measure(target, heads, ks, batches, prompt_lens, reps: int, report: Report) -> dict:
+    """Every row of the command (see the module docstring); `heads` = [(mode, drafter)]. A
+    (batch, prompt length) the device cannot run (its caches do not fit) is recorded in
+    "refused" with the error's first line, and the next one is tried."""
     with phase(report, "read bandwidth (a matrix-vector product over the weights' bytes)"):
         bandwidth = read_bandwidth(min(max(target.param_bytes, 64 << 20), 4 << 30), target.dtype)
     report.data["bandwidth_bytes_per_s"] = bandwidth
-    for batch in batches:
-        prompts = synthetic_prompts(batch, prompt_len, target.config.vocab_size, target.config.eos_token_id)
-        step = plain_row(target, report, batch, prompts, reps, bandwidth)
-        for head in heads:
-            for k in ks:
-                round_row(target, report, head, k, batch, prompts, reps, step["step_ms"])
+    for prompt_len in prompt_lens:
+        for batch in batches:
+            try:
+                _shape_rows(target, heads, ks, batch, prompt_len, reps, report, bandwidth)
+            except Exception as err:  # noqa: BLE001 - out of memory, a cache past the context: that size's result
+                why = " ".join(str(err).split())[:300]
+                log(f"batch {batch} prompt {prompt_len}: refused: {type(err).__name__}: {why}")
+                report.add(
+                    "refused", {"batch": batch, "prompt_len": prompt_len, "error": f"{type(err).__name__}: {why}"}
+                )
     return report.data
+
+
+def _shape_rows(target, heads, ks, batch: int, prompt_len: int, reps: int, report: Report, bandwidth: float) -> None:
+    prompts = synthetic_prompts(batch, prompt_len, target.config.vocab_size, target.config.eos_token_id)
+    step = plain_row(target, report, batch, prompts, reps, bandwidth)
+    for head in heads:
+        for k in ks:
+            round_row(target, report, head, k, batch, prompts, reps, step["step_ms"])
 
 
 def table(data: dict) -> str:
     """The rows as a fixed-width table (plain step rows first, then the rounds)."""
-    lines = [f"{'batch':>6}{'step ms':>10}{'roofline ms':>13}{'measured/roofline':>19}{'compile s':>11}"]
+    lines = [f"{'batch':>6}{'prompt':>8}{'step ms':>10}{'roofline ms':>13}{'measured/roofline':>19}{'compile s':>11}"]
     for p in data["plain"]:
         lines.append(
-            f"{p['batch']:>6}{p['step_ms']:>10.2f}{p['roofline_ms']:>13.3f}{p['measured_over_roofline']:>19.2f}"
+            f"{p['batch']:>6}{p['prompt_len']:>8}{p['step_ms']:>10.2f}{p['roofline_ms']:>13.3f}{p['measured_over_roofline']:>19.2f}"
             f"{p['step_compile_s']:>11.1f}"
         )
     lines.append("".join(f"{c:>14}" if i else f"{c:<10}" for i, c in enumerate(COLUMNS)))
     for r in data["rounds"]:
-        values = (r["k"], r["batch"], r["step_ms"], r["round_ms"], r["drafter_ms"], r["verify_ms"])
+        values = (r["k"], r["batch"], r["prompt_len"], r["step_ms"], r["round_ms"], r["drafter_ms"], r["verify_ms"])
         values += (r["break_even_acceptance_length"], r["round_compile_s"])
         lines.append(f"{r['mode']:<10}" + "".join(f"{v:>14}" if isinstance(v, int) else f"{v:>14.2f}" for v in values))
     return "\n".join(lines)
@@ -193,7 +221,9 @@ def run(args) -> dict:
     """The command: every row, a table on stdout, the JSON after every row."""
     from infer.load import load_target
 
-    report = Report(args.json_out, {"command": " ".join(sys.argv), "phases": [], "plain": [], "rounds": []})
+    report = Report(
+        args.json_out, {"command": " ".join(sys.argv), "phases": [], "plain": [], "rounds": [], "refused": []}
+    )
     with phase(report, "target weights" + (" (dummy)" if args.load_format == "dummy" else "")):
         target = load_target(args)
     report.data.update(
@@ -202,7 +232,7 @@ def run(args) -> dict:
         dtype=str(target.dtype),
         device=str(jax.devices()[0].device_kind),
         jax=jax.__version__,
-        prompt_len=args.prompt_len,
+        prompt_lens=args.prompt_len,
         compile_cache=None if getattr(args, "compile_cache", None) is None else str(args.compile_cache),
         reps=args.reps,
     )
@@ -210,4 +240,8 @@ def run(args) -> dict:
         heads = heads_for(args, target)
     measure(target, heads, args.k, args.batch, args.prompt_len, args.reps, report)
     print(table(report.data))
+    for r in report.data["refused"]:
+        print(f"refused: batch {r['batch']} prompt {r['prompt_len']}: {r['error']}")
+    if not report.data["plain"]:
+        raise ValueError(f"no size could run; the first: {report.data['refused'][0]['error']}")
     return report.data

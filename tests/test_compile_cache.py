@@ -39,10 +39,11 @@ def test_a_command_fills_the_cache_and_off_leaves_none(tmp_path):
     argv += ["--mode", "none", "--prompt-ids", "1,2,3", "--max-new-tokens", "4"]
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # this tiny target's programs compile in less than 1 s
-    for setting, kept in ((str(tmp_path / "cache"), True), ("off", False)):
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")  # where the default folder would be
+    for setting in (str(tmp_path / "cache"), "off"):
         env["PEAGLE_JAX_COMPILE_CACHE"] = setting
         r = subprocess.run(argv, env=env, cwd=REPO, capture_output=True, text=True, timeout=HANG_S)
         assert r.returncode == 0, r.stderr
     kept = {p.name.split("-")[0] for p in (tmp_path / "cache").iterdir() if p.name.endswith("-cache")}
-    assert {"jit_jit_prefill", "jit_jit_generate"} <= kept  # the engine's programs, the second run's too
-    assert not (REPO / "off").exists()
+    assert {"jit_jit_prefill", "jit_jit_generate"} <= kept  # the engine's programs
+    assert not (tmp_path / "xdg").exists() and not (REPO / "off").exists()  # off: no cache anywhere

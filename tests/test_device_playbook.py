@@ -19,7 +19,7 @@ from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "device.py"
-STAGES = ("kernels", "train_step", "train_head", "evaluate")
+STAGES = ("kernels", "cost", "train_step", "train_head", "evaluate")
 
 
 def _module(name: str = "device"):
@@ -77,6 +77,10 @@ def test_smoke_results_hold_each_stages_numbers(smoke):
     # both variants start from one state on the same rows: on CPU both are the XLA path
     assert by["pallas", 64]["first_loss"] == pytest.approx(by["xla", 64]["first_loss"], rel=1e-4)
     assert step["longest_fits"] == {"pallas": 128, "xla": 64} and step["longest_fits_capped"] is True
+    cost = st["cost"]["results"]
+    assert {(r["mode"], r["k"]) for r in cost["rounds"]} == {(m, k) for m in ("parallel", "chain") for k in (1, 3)}
+    assert cost["load_format"] == "dummy" and cost["plain"][0]["step_ms"] > 0
+    assert all(r["break_even_acceptance_length"] > 0 for r in cost["rounds"])
     head = st["train_head"]["results"]
     assert head["steps"] == 3 and head["train_tokens"] > 0 and head["tokens_per_second"] > 0
     ev = st["evaluate"]["results"]
@@ -149,16 +153,20 @@ def test_budget_split():
     total = 600
     assert mod.stage_timeout("kernels", total, 588, False) == pytest.approx(90)
     assert mod.stage_timeout("train_step", total, 500, False) == pytest.approx(120)
-    assert mod.stage_timeout("train_head", total, 380, False) == pytest.approx(380 - 120)  # the rest less evaluate's
+    assert mod.stage_timeout("cost", total, 500, False) == pytest.approx(120)
+    assert mod.stage_timeout("train_head", total, 380, False) == pytest.approx(380 - 90)  # the rest less evaluate's
     assert mod.stage_timeout("evaluate", total, 130, False) == pytest.approx(130)  # the last stage: what is left
     assert mod.stage_timeout("kernels", total, 50, False) == pytest.approx(50)  # never past the deadline
-    assert mod.stage_timeout("kernels", 120, 117, True) == pytest.approx(117 - 3 * mod.SMOKE_FLOOR_S)
+    assert mod.stage_timeout("kernels", 120, 117, True) == pytest.approx(117 - 4 * mod.SMOKE_FLOOR_S)
     # a subset of the stages shares the whole budget in the same proportions
     assert mod.stage_timeout("train_step", total, 588, False, ["train_step"]) == pytest.approx(588)
     two = ["kernels", "train_step"]
     assert mod.stage_timeout("kernels", total, 588, False, two) == pytest.approx(600 * 0.15 / 0.35)
     assert mod.stage_timeout("train_step", total, 400, False, two) == pytest.approx(400)  # the last: what is left
-    assert sum(mod.shares().values()) == pytest.approx(1) and mod.shares()["train_head"] == pytest.approx(0.45)
+    assert sum(mod.shares().values()) == pytest.approx(1) and mod.shares()["train_head"] == pytest.approx(0.30)
+    # dummy weights: no head stages, the other three share the whole budget
+    dummy = mod.parse_args(["--out", "x", "--load-format", "dummy", "--target", "Llama-3.1-8B"]).stages
+    assert dummy == ["kernels", "cost", "train_step"] and sum(mod.shares(dummy).values()) == pytest.approx(1)
 
 
 def _run(mod, tmp_path, platform: str, *flags: str):
@@ -262,3 +270,23 @@ def test_the_train_step_stage_estimates_a_step_where_the_device_has_rates(monkey
     assert est.bytes == 4 * (w.size + x.size + 64 * 512)  # both inputs read, the output written
     assert est.seconds == max(est.flops / h200.peak_flops, est.bytes / h200.bandwidth)
     assert stages.step_estimate(traced, compiled, None) is None
+
+
+def test_what_a_bare_image_lacks_is_named_with_the_wheels_to_bring(monkeypatch):
+    import importlib.metadata
+
+    mod = _module()
+    real = importlib.metadata.version
+
+    def version(name):
+        if name in ("tyro", "tensorboardX"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    missing = mod.missing_packages()
+    assert missing == ["tyro==1.0.17", "tensorboardX==2.6.5"]  # the pins of pyproject.toml
+    lines = mod.wheel_lines(missing)
+    assert "pip download --only-binary=:all:" in lines[1] and lines[1].endswith("'tyro==1.0.17' 'tensorboardX==2.6.5'")
+    assert "pip install --no-index --find-links .whl 'tyro==1.0.17'" in lines[2]
+    assert mod.wheel_lines([]) == []

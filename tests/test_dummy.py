@@ -110,12 +110,16 @@ def test_presets_and_what_is_refused(tmp_path):
 def test_infer_cost_rows_on_an_unseen_shape(unseen, tmp_path):
     out = tmp_path / "cost.json"
     argv = ["cost", "--target", unseen, "--load-format", "dummy", "--drafter", "new", "--modes", "parallel,chain"]
-    r = run_module("infer", argv + ["--k", "1,7", "--batch", "1", "--prompt-len", "48", "--reps", "2", "--json", out])
+    r = run_module(
+        "infer", argv + ["--k", "1,7", "--batch", "1", "--prompt-len", "48,5000", "--reps", "2", "--json", out]
+    )
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     rows = {(x["mode"], x["k"]): x for x in data["rounds"]}
     assert sorted(rows) == sorted((m, k) for m in ("parallel", "chain") for k in (1, 7))
     (step,) = data["plain"]
+    (refused,) = data["refused"]  # a prompt past the target's context is that size's result, not the run's end
+    assert refused["prompt_len"] == 5000 and "max_position_embeddings=4096" in refused["error"]
     for x in rows.values():
         assert x["step_ms"] == step["step_ms"] and x["break_even_acceptance_length"] == x["round_ms"] / x["step_ms"]
         assert min(x["round_ms"], x["drafter_ms"], x["verify_ms"], x["round_compile_s"]) > 0

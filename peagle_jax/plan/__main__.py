@@ -6,7 +6,8 @@ config.json, or a preset: see --list) with abstract weights: the train step of e
 (P-EAGLE "parallel", EAGLE-3 "chain", DFlash "dflash"), or the speculative round of each mode
 and the plain decode step ("none"). Prints one line per program: compiled or the compiler's
 refusal, bytes per device (arguments / temporaries / outputs) against the device's memory, the
-Pallas kernels in it, the compile time. `--search` doubles the sequence length (train) or the
+Pallas kernels in it, its kernel launches, the compile time. `--run` (on the device itself) runs
+each program on dummy weights and prints its step time and peak memory beside the plan's. `--search` doubles the sequence length (train) or the
 batch (serve) until a program is refused or does not fit, and reports the largest that did."""
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def parser() -> OneLineParser:
         "--train-flag", action="append", default=[], help="a `python -m train` flag, e.g. --model.num_layers=2"
     )
     p.add_argument("--search", action="store_true", help="the largest tokens (train) / batch (serve) that fits")
+    p.add_argument(
+        "--run",
+        action="store_true",
+        help="on the device itself: compile for this machine's devices and run each program on dummy weights, "
+        "its step time and peak memory beside the plan's",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     p.add_argument("--list", action="store_true", help="list the preset targets and exit")
     return p
@@ -92,7 +99,8 @@ def work(args) -> int:
     if args.list:
         print("\n".join(PRESETS))
         return 0
-    deviceless_env()
+    if not args.run:
+        deviceless_env()
     from peagle_jax.plan.run import plan, planned_ok
 
     result = plan(args, args.device, target_config(args.target, args.layers))

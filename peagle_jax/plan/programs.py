@@ -97,6 +97,11 @@ def abstract_head(target: Target, mode: str, *, num_layers=1, draft_vocab=16384,
 def compile_program(name: str, trace) -> Program:
     """Compiles `trace()` (a jax Traced): a Program with its byte counts and FLOPs, or the
     compiler's refusal."""
+    return compile_traced(name, trace)[0]
+
+
+def compile_traced(name: str, trace) -> tuple[Program, object]:
+    """`compile_program`'s Program and the jax Compiled (None when refused), to run it."""
     t0 = time.perf_counter()
     try:
         traced = trace()
@@ -106,12 +111,13 @@ def compile_program(name: str, trace) -> Program:
         compiled = interruptible(lowered.compile)  # minutes in XLA: an interrupt must not wait for it
     except Exception as err:  # the compiler's refusal (RESOURCE_EXHAUSTED, ...) is the result
         msg = " ".join(str(err).split())
-        return Program(
+        refused = Program(
             name, False, error=f"{type(err).__name__}: {msg[:400]}", compile_seconds=time.perf_counter() - t0
         )
+        return refused, None
     mem = compiled.memory_analysis()
     launches = count_launches(compiled.as_text() or "")
-    return Program(
+    program = Program(
         name,
         True,
         argument_bytes=int(mem.argument_size_in_bytes),
@@ -124,10 +130,13 @@ def compile_program(name: str, trace) -> Program:
         flops=flops,
         gathered_bytes=gathered_bytes(traced.jaxpr, compiled),
     )
+    return program, compiled
 
 
 def platform_of(mesh) -> str:
-    return "tpu" if mesh.devices.flat[0].platform == "tpu" else "cuda"
+    """The kernels' platform of a mesh: its devices' (a topology's GPUs are "cuda"; the CPU of a
+    --run test takes the XLA paths)."""
+    return {"tpu": "tpu", "cpu": "cpu"}.get(mesh.devices.flat[0].platform, "cuda")
 
 
 # ---------------------------------------------------------------- the train step

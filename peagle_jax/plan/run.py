@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from peagle_jax.plan.devices import Device, topology_devices
+from peagle_jax.plan.execute import run_compiled
 from peagle_jax.plan.launches import Launches
 from peagle_jax.plan.programs import (
     Program,
     abstract_head,
     abstract_target,
-    compile_program,
+    compile_traced,
     mesh_of,
     serve_round,
     train_step,
@@ -94,11 +97,38 @@ def _serve_trace(target, mode, batch, k, cache_len):
     return trace
 
 
+def local_devices(device: Device) -> list:
+    """This machine's devices when they are `device` (for --run), else a UsageError naming both."""
+    from kernels.limits import device_name
+    from peagle_jax.cli import UsageError
+
+    devs = jax.devices()
+    if device_name(devs[0]) != device.kind or len(devs) < device.count or device.hosts > 1:
+        have = f"{len(devs)} x {devs[0].device_kind} ({devs[0].platform})"
+        raise UsageError(f"--run: this machine has {have}, the plan is for {device.describe()}: run it there")
+    return devs[: device.count]
+
+
+def run_line(name: str, measured: dict, rec: dict) -> str:
+    """What running a program measured, beside its plan: step time against the roofline estimate,
+    the process's peak device memory against the planned peak."""
+    text = f"ran {name}: {measured['step_ms']:.3g} ms a step (median of {measured['steps']})"
+    est = rec.get("estimate")
+    if est:
+        ms = 1e3 * est["estimate_seconds"]
+        text += f", estimate (roofline) {ms:.3g} ms: measured / estimate {measured['step_ms'] / ms:.2f}"
+    peak = measured["peak_bytes_in_use"]
+    if peak:
+        text += f"; peak {peak / GiB:.2f} GiB in use, planned {rec['peak_bytes'] / GiB:.2f} ({peak / rec['peak_bytes']:.2f}x)"
+    return text
+
+
 def plan(args, device: Device, tcfg) -> dict:
-    """Compiles the job's programs for `device` (printing one line each) -> the JSON summary."""
+    """Compiles the job's programs for `device` (printing one line each) -> the JSON summary; with
+    `args.run`, for this machine's devices, and runs each (`execute.run_compiled`)."""
     from kernels.limits import on_device
 
-    devices = topology_devices(device)
+    devices = local_devices(device) if getattr(args, "run", False) else topology_devices(device)
     hosts = len({d.process_index for d in devices})
     device = dataclasses.replace(device, hosts=hosts)
     print(f"{device.name}: {device.describe()}; target {tcfg.model_type} x {tcfg.num_layers} layers")
@@ -118,9 +148,12 @@ def plan(args, device: Device, tcfg) -> dict:
                     flags=args.train_flag,
                 )  # fmt: skip
                 print(f"compiling {name} ...", flush=True)  # minutes, for a TPU step on a few cores
-                p = compile_program(name, trace)
+                p, compiled = compile_traced(name, trace)
                 print(line(p, device, args.headroom), flush=True)
                 results.append(_record(p, device, args.headroom, tokens=tokens, batch=b, cache_len=args.cache_len))
+                if getattr(args, "run", False) and compiled is not None:
+                    results[-1]["run"] = run_compiled(compiled)
+                    print(run_line(name, results[-1]["run"], results[-1]), flush=True)
                 if not fits(p, device, args.headroom):
                     break
                 best = size

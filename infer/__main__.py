@@ -279,9 +279,9 @@ def _dispatch(args) -> int:
 
 
 def main(argv=None) -> int:
-    terminate_as_interrupt()  # first: run() installs it again, an interrupt before that is one too
+    terminate_as_interrupt("interrupted")  # first: run() installs it again, an interrupt before that is one too
     try:
-        return run(argv, parse_args, _work)
+        return run(argv, parse_args, _work, starting="interrupted")  # nothing to clean up before a write
     except KeyboardInterrupt:  # landed between the handlers' installation and run's own frame
         exit_interrupted("interrupted")
 

@@ -52,7 +52,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run
+from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run, terminate_as_interrupt
+
+if __name__ == "__main__":  # `python -m peagle_jax.formats.convert`: the imports below load JAX (seconds)
+    terminate_as_interrupt("interrupted")
+
 from peagle_jax.config import ConfigError
 from peagle_jax.folders import (
     CONFIG_FILE,
@@ -575,7 +579,13 @@ def _run(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI. Exit status: 0 ok, 1 the work failed, 2 usage, 130 interrupted; `inspect`: 0
     clean, 1 problems found, 2 the folder could not be inspected."""
-    return run(argv, build_parser().parse_args, _run, failure_code=lambda args: 2 if args.command == "inspect" else 1)
+    return run(  # reads until an export or import writes its temporary folder
+        argv,
+        build_parser().parse_args,
+        _run,
+        failure_code=lambda args: 2 if args.command == "inspect" else 1,
+        starting="interrupted",
+    )
 
 
 if __name__ == "__main__":

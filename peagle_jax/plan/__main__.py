@@ -17,8 +17,9 @@ from pathlib import Path
 
 from peagle_jax.cli import OneLineParser, positive_int, run
 from peagle_jax.folders import atomic_write_text, unwritable
-from peagle_jax.plan.devices import deviceless_env, parse_device
-from peagle_jax.plan.presets import PRESETS, target_config
+
+# peagle_jax.plan.devices and .presets load JAX (seconds): imported where used, once `run` has
+# installed the interrupt handlers
 
 
 def parser() -> OneLineParser:
@@ -48,6 +49,9 @@ def parse(argv):
     args = parser().parse_args(argv)
     if args.list:
         return args
+    from peagle_jax.plan.devices import parse_device
+    from peagle_jax.plan.presets import PRESETS
+
     if not (args.target and args.device):
         parser().error("--target and --device are required")
     try:
@@ -89,6 +93,9 @@ def _check_work_flags(args) -> None:
 
 
 def work(args) -> int:
+    from peagle_jax.plan.devices import deviceless_env
+    from peagle_jax.plan.presets import PRESETS, target_config
+
     if args.list:
         print("\n".join(PRESETS))
         return 0
@@ -102,7 +109,7 @@ def work(args) -> int:
 
 
 def main(argv=None) -> int:
-    return run(argv, parse, work)
+    return run(argv, parse, work, starting="interrupted")  # compiles only, until --json is written
 
 
 if __name__ == "__main__":

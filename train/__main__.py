@@ -24,7 +24,7 @@ def main(argv=None, hooks: Sequence = ()) -> int:
         from peagle_jax.host import reuse_freed_memory
 
         reuse_freed_memory()  # before JAX starts its threads (peagle_jax.host)
-        from train.config import parse_args
+        from train.flags import parse_args
 
         return run(argv, parse_args, lambda cfg: train(cfg, hooks), interrupted=RESUME_HINT, starting=STARTING)
     except KeyboardInterrupt:  # landed before run's own frame

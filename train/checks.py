@@ -1,6 +1,6 @@
 """The values of a training configuration checked before any work starts: ranges, finiteness and
 choices, each refused with one line naming its flag (`peagle_jax.cli.UsageError`, exit 2).
-`train.config.parse_args` runs `validate` on every command line."""
+`train.flags.parse_args` runs `validate` on every command line."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ choices, each refused with one line naming its flag (`peagle_jax.cli.UsageError`
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from pathlib import Path
@@ -338,8 +339,10 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
     ]
     if not all(ok for ok, _ in out):
         return out
+    foreign = foreign_out(cfg.out)
     out += [
         (_kind(cfg.out) in ("dir", "missing"), f"--out {cfg.out}: exists and is not a folder"),
+        (foreign is None, f"--out {cfg.out}: {foreign}"),
         (
             d.cache_features is None or _kind(d.cache_features) in ("dir", "missing"),
             f"data.cache_features {d.cache_features}: exists and is not a folder",
@@ -366,6 +369,32 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
             )
         )
     return out
+
+
+def foreign_out(out: str) -> str | None:
+    """What an existing --out holds when it is no training run's folder: a drafter head (this
+    project's format, vLLM, speculators) or a model (a config.json that is not a run's), which a
+    run would write into (its config.json replaced by the run's). None: a new folder, an empty
+    one, a run's, or one without a config.json."""
+    from peagle_jax.formats.head_config import head_kind, is_run_config
+
+    p = Path(out)
+    if _kind(out) != "dir":
+        return None
+    kind = head_kind(p)
+    if kind is None and (p / "config.json").is_file():
+        try:
+            raw = json.loads((p / "config.json").read_text())
+        except (OSError, ValueError):
+            raw = None
+        if is_run_config(raw):
+            return None
+        if not (isinstance(raw, dict) and ("model_type" in raw or "architectures" in raw)):
+            return "holds a config.json that is not a training run's (a run writes its own there): give a new folder"
+        kind = "a Hugging Face model folder"
+    if kind is None:
+        return None
+    return f"{kind}, not a training run's (a run writes its own config.json there): give a new folder"
 
 
 def _kind(path: str, expand: bool = False) -> str:

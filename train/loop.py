@@ -22,7 +22,7 @@ from train import config as C
 from train import data as D
 from train import distributed as dist
 from train.checkpoint import Checkpoints
-from train.checks import INT_MAX, check_target_fits
+from train.checks import INT_MAX, check_target_fits, foreign_out
 from train.evaluate import heldout_rounds
 from train.metrics import MetricsLog
 from train.payoff import fastest_k, payoff
@@ -395,6 +395,9 @@ def prepare_out(cfg: C.TrainConfig) -> Path:
     out = Path(cfg.out).absolute()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {cfg.out}: exists and is not a folder")
+    foreign = foreign_out(cfg.out)  # checked by the flags too; a config built in Python reaches here unchecked
+    if foreign is not None:
+        raise UsageError(f"--out {cfg.out}: {foreign}")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

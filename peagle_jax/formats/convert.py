@@ -69,6 +69,7 @@ from peagle_jax.folders import (
 )
 from peagle_jax.formats.checkpoints import read_drafter, speculators_tensors, vllm_tensors
 from peagle_jax.formats.engines import NEWEST_VLLM, installed_vllm, parse_vllm_version
+from peagle_jax.formats.head_config import refuse_head, run_folder_of
 from peagle_jax.formats.head_config_write import speculators_config, vllm_config
 from peagle_jax.formats.inspect import format_report, inspect_folder
 from peagle_jax.formats.own import OWN_CONFIG_FILE, write_own
@@ -112,6 +113,9 @@ def check_output(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     why = unwritable(dest, "folder")
     if why:
         raise DestinationError(f"OUT {out}: {why}")
+    run = run_folder_of(dest)
+    if run is not None:  # it holds config.json, which --overwrite would take for a model's
+        raise DestinationError(f"OUT {out}: {run}; a converter never replaces a run's folder")
     return dest
 
 
@@ -345,6 +349,7 @@ def convert_target(
         raise ConvertError(f"{p}: no such folder")
     if not p.is_dir():
         raise ConvertError(f"{p}: not a folder")
+    refuse_head(p)  # a head or a run's folder, named as such (not a missing tensor of the target)
     parse_size(max_shard_size)
     dest = check_output(p, out)
     check_destination(dest, overwrite, CONFIG_FILE)

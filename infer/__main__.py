@@ -139,7 +139,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         why = unwritable(Path(args.json_out), "file")
         if why:
             parser.error(f"--json {args.json_out}: {why}")
+    if args.command == "bench" and not _prompt_source(args.prompts):
+        parser.error(f"--prompts {args.prompts!r}: neither mtbench, humaneval nor an existing JSONL file")
     return args
+
+
+def _prompt_source(name: str) -> bool:
+    """A set `peagle_jax.engine.prompts.load_prompts` knows, or a file (judged before the target loads)."""
+    from peagle_jax.engine.prompts import PROMPT_SETS
+
+    return name.lower().replace("-", "").replace("_", "") in PROMPT_SETS or Path(name).expanduser().is_file()
 
 
 def _ids(text: str, flag: str) -> list[int]:

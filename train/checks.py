@@ -339,14 +339,8 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
     ]
     if not all(ok for ok, _ in out):
         return out
-    foreign = foreign_out(cfg.out)
+    out += _written_folder_checks(cfg)
     out += [
-        (_kind(cfg.out) in ("dir", "missing"), f"--out {cfg.out}: exists and is not a folder"),
-        (foreign is None, f"--out {cfg.out}: {foreign}"),
-        (
-            d.cache_features is None or _kind(d.cache_features) in ("dir", "missing"),
-            f"data.cache_features {d.cache_features}: exists and is not a folder",
-        ),
         (
             not _a_file_target(m.target),
             f"model.target {m.target}: a file, not a folder (a Hugging Face folder, an asset name, or tiny)",
@@ -368,6 +362,27 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
                 f"eval.prompts {e.prompts!r}: neither mtbench, humaneval, synthetic nor an existing JSONL file",
             )
         )
+    return out
+
+
+def _written_folder_checks(cfg) -> list[tuple[bool, str]]:
+    """The folders the run writes (--out, data.cache_features): folders or missing, writable, and
+    --out no head's or model's folder."""
+    d = cfg.data
+    out = [
+        (_kind(cfg.out) in ("dir", "missing"), f"--out {cfg.out}: exists and is not a folder"),
+        (
+            d.cache_features is None or _kind(d.cache_features) in ("dir", "missing"),
+            f"data.cache_features {d.cache_features}: exists and is not a folder",
+        ),
+    ]
+    if not all(ok for ok, _ in out):
+        return out
+    foreign = foreign_out(cfg.out)
+    out.append((foreign is None, f"--out {cfg.out}: {foreign}"))
+    for flag, folder in (("--out", cfg.out), ("data.cache_features", d.cache_features)):
+        why = folder is not None and _unwritable_folder(folder)
+        out.append((not why, f"{flag} {folder}: {why}"))
     return out
 
 
@@ -395,6 +410,19 @@ def foreign_out(out: str) -> str | None:
     if kind is None:
         return None
     return f"{kind}, not a training run's (a run writes its own config.json there): give a new folder"
+
+
+def _unwritable_folder(path: str) -> str | None:
+    """Why the run cannot write into folder `path` (made when missing), None when it can."""
+    from peagle_jax.folders import unwritable
+
+    p = Path(path)
+    try:
+        if p.is_dir():  # written into, not beside
+            return None if os.access(p, os.W_OK | os.X_OK) else f"folder {p} is not writable"
+        return unwritable(p, "folder")
+    except (OSError, ValueError):  # a name the system refuses (too long, a NUL byte): the run's own error names it
+        return None
 
 
 def _kind(path: str, expand: bool = False) -> str:

@@ -74,7 +74,7 @@ from peagle_jax.formats.head_config_write import speculators_config, vllm_config
 from peagle_jax.formats.inspect import format_report, inspect_folder
 from peagle_jax.formats.own import OWN_CONFIG_FILE, write_own
 from peagle_jax.formats.serving import SERVE_K, resolve_verifier, target_facts
-from peagle_jax.hub import repo_id_of, resolve
+from peagle_jax.hub import is_repo_id, repo_id_of, resolve
 
 __all__ = [
     "main",
@@ -349,10 +349,10 @@ def convert_target(
         raise ConvertError(f"{p}: no such folder")
     if not p.is_dir():
         raise ConvertError(f"{p}: not a folder")
-    refuse_head(p)  # a head or a run's folder, named as such (not a missing tensor of the target)
     parse_size(max_shard_size)
     dest = check_output(p, out)
     check_destination(dest, overwrite, CONFIG_FILE)
+    refuse_head(p)  # a head or a run's folder, named as such (not a missing tensor of the target)
     d = _source_dtype(p) if dtype == "auto" else dtype
     tcfg = target_config(p)
     _, state = load_params(p, tcfg, d)
@@ -370,6 +370,22 @@ def _size_arg(text: str) -> str:
         parse_size(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _target_arg(text: str) -> str:
+    """--target: an existing folder, or a Hub id (org/name) where no such path exists."""
+    p = Path(text)
+    if p.is_dir() or (not p.exists() and is_repo_id(text)):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: " + ("not a folder" if p.exists() else "no such folder, nor a Hub id (org/name)")
+    )
+
+
+def _hub_id_arg(text: str) -> str:
+    if not is_repo_id(text):
+        raise argparse.ArgumentTypeError(f"expected a Hub id (org/name), got {text!r}")
     return text
 
 
@@ -425,12 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         metavar="DIR",
+        type=_target_arg,
         help="the target's HF folder or Hub id: checked against, and its "
         "max_position_embeddings used when larger than the drafter's",
     )
     p.add_argument(
         "--verifier",
         metavar="ORG/NAME",
+        type=_hub_id_arg,
         help="the target's hub id to record (speculators "
         "verifier.name_or_path, which `vllm serve OUT` needs; default: --target's id when it came from the Hub, "
         "else the one the drafter recorded)",
@@ -465,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         metavar="DIR",
+        type=_target_arg,
         help="target HF folder or Hub id: embeddings for an EAGLE-3 head that ships none (DFlash: embeddings and "
         "lm_head)",
     )
@@ -484,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         metavar="DIR",
+        type=_target_arg,
         help="target HF folder or Hub id to check against (default: the recorded verifier, when it is here "
         "or in the Hugging Face cache)",
     )

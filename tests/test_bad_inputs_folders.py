@@ -57,7 +57,13 @@ CASES = [
     ("train --out a vLLM head", TRAIN + ["{root}/vllm"], 2, "a vLLM drafter head (architectures", "vllm"),
     ("train --out a speculators head", TRAIN + ["{root}/spec"], 2, "a speculators drafter head", "spec"),
     ("train --out our head", TRAIN + ["{root}/own"], 2, "a drafter head in this project's format", "own"),
-    ("train --out a target", TRAIN + ["{root}/target"], 2, "--out {root}/target: a Hugging Face model folder", "target"),
+    (
+        "train --out a target",
+        TRAIN + ["{root}/target"],
+        2,
+        "--out {root}/target: a Hugging Face model folder",
+        "target",
+    ),
     ("train --out another config.json", TRAIN + ["{root}/other"], 2, "holds a config.json that is not a", "other"),
     (
         "infer --target a run",

@@ -273,12 +273,22 @@ def _flush_stdout() -> None:
     sys.stdout.flush()
 
 
+def _close_progress_bars() -> None:
+    """tqdm's open bars closed, as unwinding would have: each ends its line, so the interrupt's
+    line starts one of its own."""
+    bars = getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", None)
+    for bar in list(bars or ()):
+        with contextlib.suppress(Exception):
+            bar.close()
+
+
 def exit_interrupted(message: str) -> None:
     """Print the interrupt's line and end the process now with status 130: the clean-up ran while
     the interrupt unwound, and the interpreter's own shutdown can crash while XLA threads are still
     compiling (a segmentation fault instead of 130)."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
+    _close_progress_bars()
     with contextlib.suppress(Exception):  # the process's own stderr: a block may redirect sys.stderr (tyro's parse)
         print(f"error: {message}", file=sys.__stderr__ or sys.stderr, flush=True)
     os._exit(130)

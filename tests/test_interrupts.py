@@ -181,6 +181,23 @@ def test_every_cli_interrupted_while_starting(tmp_path, cli):
     assert_interrupted(res)
 
 
+@pytest.mark.parametrize(
+    "module",
+    ["train.__main__", "infer.__main__", "peagle_jax.formats", "peagle_jax.convert", "peagle_jax.plan.__main__"],
+)
+def test_a_command_line_loads_no_library_before_its_handlers(module):
+    """What runs before a command's `main` installs its handlers (its module and the packages
+    above it) imports none of JAX, torch, transformers: an interrupt there (seconds of imports)
+    would be a traceback or a process killed by SIGTERM."""
+    code = f"import importlib, sys; importlib.import_module({module!r}); "
+    code += "print([m for m in ('jax', 'torch', 'transformers', 'flax') if m in sys.modules])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 SLOW_IMPORT = """
 import sys
 from peagle_jax.cli import run

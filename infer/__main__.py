@@ -141,7 +141,22 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--json {args.json_out}: {why}")
     if args.command == "bench" and not _prompt_source(args.prompts):
         parser.error(f"--prompts {args.prompts!r}: neither mtbench, humaneval nor an existing JSONL file")
+    _check_paths(parser, args)
     return args
+
+
+def _check_paths(parser, args) -> None:
+    """The folders and files the flags name, judged before anything loads: a path that exists,
+    or a Hub id (org/name) to download."""
+    from peagle_jax.hub import is_repo_id
+
+    drafters = args.drafter if isinstance(args.drafter, list) else [args.drafter]
+    for flag, value in [("--target", args.target), *(("--drafter", d) for d in drafters if d)]:
+        if not (Path(value).expanduser().exists() or is_repo_id(value)):
+            parser.error(f"{flag} {value}: no such folder, nor a Hub id (org/name)")
+    ids = getattr(args, "prompt_ids", None)
+    if ids and Path(ids).suffix == ".jsonl" and not Path(ids).is_file():
+        parser.error(f"--prompt-ids {ids}: no such file")
 
 
 def _prompt_source(name: str) -> bool:

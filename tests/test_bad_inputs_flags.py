@@ -66,6 +66,31 @@ CASES = [
         "data.cache_features {root}/a_file/f: {root}/a_file is a file, not a folder",
     ),
     (
+        "train --model.target no such folder",
+        TRAIN + ["--out", "{out}/x", "--model.target", "{out}/none"],
+        "model.target {out}/none: no such folder, nor an asset name, a Hub id (org/name) or tiny",
+    ),
+    (
+        "train --data.source no such file",
+        TRAIN + ["--out", "{out}/x", "--data.source", "{out}/none.jsonl"],
+        "data.source {out}/none.jsonl: no such file or folder",
+    ),
+    (
+        "infer --target no such folder",
+        ["infer", "generate", "--target", "{out}/none", "--drafter", "{root}/head", "--prompt-ids", "1,2"],
+        "--target {out}/none: no such folder, nor a Hub id (org/name)",
+    ),
+    (
+        "infer bench --drafter no such folder",
+        BENCH + ["--drafter", "{out}/none"],
+        "--drafter {out}/none: no such folder, nor a Hub id (org/name)",
+    ),
+    (
+        "infer --prompt-ids no such file",
+        ["infer", "generate", "--target", "{root}/target", "--drafter", "{root}/head", "--prompt-ids", "{out}/p.jsonl"],
+        "--prompt-ids {out}/p.jsonl: no such file",
+    ),
+    (
         "infer bench --prompts no such file",
         BENCH + ["--prompts", "{out}/none.jsonl"],
         "--prompts '{out}/none.jsonl': neither mtbench, humaneval nor an existing JSONL file",

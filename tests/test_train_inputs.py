@@ -194,7 +194,7 @@ def test_missing_source_is_one_line(tmp_path, capsys, tiny_target):
                 str(tmp_path / "nope"),
             ]
         )
-        == 1
+        == 2  # judged with the flags, before the target loads
     )
     assert "no such file" in _err_line(capsys)
 

@@ -5,6 +5,7 @@ choices, each refused with one line naming its flag (`peagle_jax.cli.UsageError`
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -345,6 +346,14 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
             not _a_file_target(m.target),
             f"model.target {m.target}: a file, not a folder (a Hugging Face folder, an asset name, or tiny)",
         ),
+        (
+            _named_target(m.target),
+            f"model.target {m.target}: no such folder, nor an asset name, a Hub id (org/name) or tiny",
+        ),
+        (
+            _named_source(d.source),
+            f"data.source {d.source}: no such file or folder, nor sharegpt, synthetic or a Hub dataset id (org/name)",
+        ),
     ]
     # one check per Hub-only flag, so the error names the flag that was given
     out += [
@@ -441,6 +450,34 @@ def _a_file_target(target: str) -> bool:
     from peagle_jax.assets import ASSETS
 
     return target not in ASSETS
+
+
+def _named_target(target: str) -> bool:
+    """What `train.loop.resolve_target` can find: tiny, an asset, a path, or a Hub id to download."""
+    from peagle_jax.assets import ASSETS
+    from peagle_jax.hub import is_repo_id
+
+    named = target == "tiny" or target in ASSETS or _kind(target) != "missing" or is_repo_id(target)
+    return named or _refused_name(target)
+
+
+def _named_source(source: str) -> bool:
+    """What `train.data.load_conversations` reads: the two built-in sets, a path, or a Hub dataset id."""
+    from train.data import hub_source
+
+    named = source in ("sharegpt", "synthetic") or _kind(source) != "missing" or hub_source(source)
+    return named or _refused_name(source)
+
+
+def _refused_name(path: str) -> bool:
+    """A name the system refuses (too long, a NUL byte): left to the run, whose error names it."""
+    try:
+        os.stat(path)
+    except ValueError:  # a NUL byte
+        return True
+    except OSError as err:
+        return err.errno == errno.ENAMETOOLONG
+    return False
 
 
 def _a_hub_source(source: str) -> bool:

@@ -141,7 +141,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--json {args.json_out}: {why}")
     if args.command == "bench" and not _prompt_source(args.prompts):
         parser.error(f"--prompts {args.prompts!r}: neither mtbench, humaneval nor an existing JSONL file")
-    _check_paths(parser, args)
+    if args.command in ("generate", "bench"):
+        _check_paths(parser, args)
     return args
 
 

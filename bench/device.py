@@ -480,7 +480,14 @@ def run_stage(run: Run, name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = parse_args(argv)
+    sys.path.insert(0, str(ROOT))  # this tree's peagle_jax (the flags' checks), not an installed one
+    from peagle_jax.cli import UsageError, one_line
+
+    try:
+        args = parse_args(argv)
+    except UsageError as err:
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2
     missing = missing_packages()
     for line in wheel_lines(missing):  # before anything: a bare image says at once what to bring
         print(f"[device] {line}", flush=True)
@@ -508,7 +515,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    """The flags, each checked before any stage runs: UsageError (one line naming the flag)."""
+    from peagle_jax.cli import OneLineParser
+    from peagle_jax.folders import unwritable
+
+    p = OneLineParser(prog="python bench/device.py", description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="the whole run's time budget (default 10)")
     p.add_argument("--out", required=True, help="output folder (new or empty): results.json, logs, the head")
     p.add_argument("--smoke", action="store_true", help="CPU dry run of every stage at tiny sizes (< 90 s)")
@@ -533,11 +544,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--stages: unknown stage(s) {', '.join(bad)}; choose from {', '.join(STAGES)}")
     if args.load_format == "dummy":  # their shares go to the other stages
         args.stages = [s for s in args.stages if s not in HEAD_STAGES]
-    if not args.minutes > 0:
-        p.error("--minutes must be positive")
+    if not 0 < args.minutes < float("inf"):
+        p.error(f"--minutes must be positive and finite, got {args.minutes}")
     out = Path(args.out)
     if out.is_file() or (out.is_dir() and any(out.iterdir())):
         p.error(f"--out {args.out}: exists and is not an empty folder (each run writes a new one)")
+    why = unwritable(out, "folder")
+    if why:
+        p.error(f"--out {args.out}: {why}")
     return args
 
 

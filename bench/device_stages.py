@@ -70,7 +70,7 @@ def _step_target(out: Path, smoke: bool, name: str, load_format: str):
 def _step_trainer(target, counts, dtype: str, smoke: bool):
     """The default recipe's Trainer (attention "kernels": Pallas on GPU / TPU); smoke: the tiny
     preset's head sizes."""
-    from train.config import from_dict
+    from train.flags import from_dict
     from train.trainer import Trainer
 
     model = {"compute_dtype": dtype, "attention": "kernels"}

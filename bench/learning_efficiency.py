@@ -46,7 +46,7 @@ HEAD_FLAGS = {"parallel": [], "dflash": ["--model.mode", "dflash"]}
 
 
 def base_config(target_path: Path, extra: list[str], steps: int):
-    from train.config import parse_args
+    from train.flags import parse_args
 
     flags = ["--model.target", str(target_path), *DATA_FLAGS, "--loop.steps", str(steps)]
     return parse_args([*flags, "--loop.progress", "False", "--eval.enabled", "False", *extra])

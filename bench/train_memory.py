@@ -59,8 +59,8 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
     import peagle_jax as pj
     from peagle_jax.assets import prepare
     from train import cod
-    from train.config import from_dict
     from train.data import Example
+    from train.flags import from_dict
     from train.step import batch_arrays
     from train.trainer import Trainer
 

@@ -90,8 +90,8 @@ def build(
     import peagle_jax as pj
     from peagle_jax.formats import export_speculators
     from train import cod
-    from train.config import from_dict
     from train.data import Example
+    from train.flags import from_dict
     from train.step import batch_arrays
     from train.trainer import Trainer
 

@@ -155,6 +155,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         why = unwritable(Path(args.json_out), "file")
         if why:
             parser.error(f"--json {args.json_out}: {why}")
+    if args.command == "bench" and not _prompt_source(args.prompts):
+        parser.error(f"--prompts {args.prompts!r}: neither mtbench, humaneval nor an existing JSONL file")
+    if args.command in ("generate", "bench"):
+        _check_paths(parser, args)
     return args
 
 
@@ -215,6 +219,38 @@ def _check_cost(parser, args) -> argparse.Namespace:
         if why:
             parser.error(f"--json {args.json_out}: {why}")
     return args
+
+
+def _check_paths(parser, args) -> None:
+    """The folders and files the flags name, judged before anything loads: a path that exists,
+    or a Hub id (org/name) to download."""
+    from peagle_jax.hub import is_repo_id
+
+    drafters = args.drafter if isinstance(args.drafter, list) else [args.drafter]
+    heads = [d for d in drafters if d and new_head_layers(d) is None]  # new[:LAYERS]: a fresh head
+    for flag, value in [("--target", args.target), *(("--drafter", d) for d in heads)]:
+        if not (Path(value).expanduser().exists() or is_repo_id(value) or _dummy_preset(args, flag, value)):
+            also = ", nor a preset (--load-format dummy)" if flag == "--target" else ""
+            parser.error(f"{flag} {value}: no such folder, nor a Hub id (org/name){also}")
+    ids = getattr(args, "prompt_ids", None)
+    if ids and Path(ids).suffix == ".jsonl" and not Path(ids).is_file():
+        parser.error(f"--prompt-ids {ids}: no such file")
+
+
+def _dummy_preset(args, flag: str, value: str) -> bool:
+    """A preset target (`peagle_jax.models.presets`), which only dummy weights can stand for."""
+    if flag != "--target" or args.load_format != "dummy":
+        return False
+    from peagle_jax.models.presets import preset_fields
+
+    return preset_fields(value) is not None
+
+
+def _prompt_source(name: str) -> bool:
+    """A set `peagle_jax.engine.prompts.load_prompts` knows, or a file (judged before the target loads)."""
+    from peagle_jax.engine.prompts import PROMPT_SETS
+
+    return name.lower().replace("-", "").replace("_", "") in PROMPT_SETS or Path(name).expanduser().is_file()
 
 
 def _ids(text: str, flag: str) -> list[int]:
@@ -354,9 +390,9 @@ def _dispatch(args) -> int:
 
 
 def main(argv=None) -> int:
-    terminate_as_interrupt()  # first: run() installs it again, an interrupt before that is one too
+    terminate_as_interrupt("interrupted")  # first: run() installs it again, an interrupt before that is one too
     try:
-        return run(argv, parse_args, _work)
+        return run(argv, parse_args, _work, starting="interrupted")  # nothing to clean up before a write
     except KeyboardInterrupt:  # landed between the handlers' installation and run's own frame
         exit_interrupted("interrupted")
 

@@ -47,7 +47,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from peagle_jax.cli import OneLineParser, run
+from peagle_jax.cli import OneLineParser, run, started
 from peagle_jax.folders import apply_umask_modes, new_sibling, remove_stale_temporaries
 
 __all__ = [
@@ -281,6 +281,7 @@ def prepare(name: str, out: str | os.PathLike | None = None, *, log: Log | None 
             raise AssetError(f"output directory {dest} is not empty and is {what}; remove it or pass another --out")
 
     _check_requirements(asset)
+    started()  # the first write: an interrupt from here unwinds (the build's folder removed)
     parent = dest.parent
     parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(dest)

@@ -55,6 +55,9 @@ RECHECK_S = 0.5  # after an interrupt was raised: how often the process checks i
 
 _received: list[int] = []  # the interrupting signal (SIGINT / SIGTERM) once one came: the process is ending
 _deferring: list[bool] = []  # non-empty while `signals_deferred` holds (a clean-up that must finish)
+_starting: list[str] = []  # while the command starts (nothing written yet): the line an interrupt ends it with
+_phase = threading.RLock()  # start-up ends (`started`) or the process ends in it, never both halfway
+_watching: list[int] = []  # the read end of the wakeup pipe, once `_watch_signals` started its thread
 
 
 def _in_weakref_callback(frame) -> bool:
@@ -110,6 +113,7 @@ def _recheck(_signum, frame):
     it): raised again, so the process ends within about RECHECK_S of the signal."""
     if not _received:
         return
+    _end_if_starting()
     if _deferring or _drops_exceptions(frame):
         _arm(RETRY_S)
         return
@@ -118,9 +122,43 @@ def _recheck(_signum, frame):
         raise KeyboardInterrupt(f"interrupted by signal {_received[0]}")
 
 
+def _end_if_starting() -> None:
+    """During start-up there is nothing to save or remove: the process ends at once, wherever the
+    signal landed (an import, a gc callback: where an exception would wait for the code to return)."""
+    with _phase:
+        if _starting and not _deferring:
+            exit_interrupted(_starting[0])
+
+
+def _watch(fd: int) -> None:
+    """Reads the signals' bytes (`signal.set_wakeup_fd`) on a thread: Python runs a handler only
+    once the main thread is back in Python code, and start-up spends up to seconds in native calls
+    (a shared library's loading, the backend's start); in start-up this thread ends the process."""
+    while True:
+        try:
+            got = os.read(fd, 64)
+        except OSError:
+            return
+        if not got:
+            return
+        if signal.SIGINT in got or signal.SIGTERM in got:
+            _end_if_starting()
+
+
+def _watch_signals() -> None:
+    if _watching or threading.current_thread() is not threading.main_thread():
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    threading.Thread(target=_watch, args=(read,), name="interrupt-watch", daemon=True).start()
+    _watching.append(read)
+
+
 def _interrupt(signum, frame):
     if not _received:
         _received.append(signum)
+    _end_if_starting()
     if _deferring or _drops_exceptions(frame):
         _arm(RETRY_S)  # raised once that code has returned
         return
@@ -128,16 +166,36 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"interrupted by signal {signum}")
 
 
-def terminate_as_interrupt() -> None:
+def terminate_as_interrupt(starting: str | None = None) -> None:
     """SIGINT and SIGTERM raise KeyboardInterrupt, so `finally` blocks run and a half-written
     folder is removed (the default SIGTERM kills the process on the spot). SIGINT is installed
     too because a process started with it ignored (a background job of a script) would not see it.
     The signal is recorded (`interrupted`), and one that arrives where Python drops exceptions (a
     gc callback, a finaliser, a weakref callback) or that some code swallows on its way up is
     raised again just after (a timer, `_recheck`); `run` turns a recorded signal into exit 130
-    whatever the work returned. Call it at the start of a CLI's work."""
+    whatever the work returned. Call it at the start of a CLI's work. `starting`: the command
+    starts now (`starting_up`)."""
+    if starting is not None:
+        starting_up(starting)
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)  # last: a caught SIGTERM says both are installed
+    if starting is not None:
+        _watch_signals()
+
+
+def starting_up(line: str) -> None:
+    """The command is starting (imports, parsing, reading: nothing written yet): until `started`,
+    an interrupt prints `line` and ends the process at once (exit 130) instead of unwinding, which
+    waits for an import or a native call to return (seconds at start-up)."""
+    _starting[:] = [line]
+
+
+def started() -> None:
+    """The command begins to write (a folder, a file): from here an interrupt unwinds, so the
+    clean-ups on its way up run (a temporary removed, a checkpoint kept). The project's writers
+    (`peagle_jax.folders`) call it; a no-op outside a command's start-up (the Python API)."""
+    with _phase:
+        _starting.clear()
 
 
 def interrupted() -> int | None:
@@ -215,14 +273,24 @@ def _flush_stdout() -> None:
     sys.stdout.flush()
 
 
+def _close_progress_bars() -> None:
+    """tqdm's open bars closed, as unwinding would have: each ends its line, so the interrupt's
+    line starts one of its own."""
+    bars = getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", None)
+    for bar in list(bars or ()):
+        with contextlib.suppress(Exception):
+            bar.close()
+
+
 def exit_interrupted(message: str) -> None:
     """Print the interrupt's line and end the process now with status 130: the clean-up ran while
     the interrupt unwound, and the interpreter's own shutdown can crash while XLA threads are still
     compiling (a segmentation fault instead of 130)."""
     with contextlib.suppress(Exception):
         sys.stdout.flush()
-    with contextlib.suppress(Exception):
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    _close_progress_bars()
+    with contextlib.suppress(Exception):  # the process's own stderr: a block may redirect sys.stderr (tyro's parse)
+        print(f"error: {message}", file=sys.__stderr__ or sys.stderr, flush=True)
     os._exit(130)
 
 
@@ -236,7 +304,13 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def run(
-    argv, parse: Callable, work: Callable, *, failure_code: Callable = lambda args: 1, interrupted: str = "interrupted"
+    argv,
+    parse: Callable,
+    work: Callable,
+    *,
+    failure_code: Callable = lambda args: 1,
+    interrupted: str = "interrupted",
+    starting: str | None = None,
 ) -> int:
     """The shared frame of every CLI: parse (usage errors: one line, exit 2), then do the work
     with SIGTERM as an interrupt (exit 130, temporaries removed); any failure of the work is one
@@ -245,11 +319,23 @@ def run(
     `inspect` says 2). PEAGLE_DEBUG=1 re-raises instead. `interrupted`: the line's text on an
     interrupt (what the user can do next; a note on the interrupt replaces it). A signal that came
     is exit 130 whatever the work did with it (swallowed, converted, or returned anyway). A reader
-    of stdout that went away (`| head`) ends the command quietly (status 141)."""
-    terminate_as_interrupt()  # before parsing: its imports take a second, an interrupt there is one too
+    of stdout that went away (`| head`) ends the command quietly (status 141). The parse is
+    start-up (`starting_up`: an interrupt ends the process at once); with `starting` (the line
+    then), so is the work until it first writes (`started`): for a work whose interrupt has nothing
+    to clean up before that (no child process to stop, no `finally` that must run)."""
+    terminate_as_interrupt(starting or interrupted)  # before parsing: its imports take seconds
+    try:
+        return _run(argv, parse, work, failure_code, interrupted, starting is not None)
+    finally:
+        started()  # a command run in process (tests, the Python API) leaves no start-up behind
+
+
+def _run(argv, parse: Callable, work: Callable, failure_code: Callable, interrupted: str, work_starts: bool) -> int:
     try:
         args = parse(argv)
     except UsageError as err:
+        if _received:  # an interrupt a parser's check turned into its own error
+            exit_interrupted(interrupted)
         print(f"error: {one_line(err)}", file=sys.stderr)
         return 2
     except SystemExit as err:  # --help
@@ -262,6 +348,8 @@ def run(
         return _stdout_gone()
     except KeyboardInterrupt as err:
         exit_interrupted(_note_of(err) or interrupted)
+    if not work_starts:
+        started()
     try:
         code = int(work(args) or 0)
         _flush_stdout()

@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from peagle_jax.cli import signals_deferred, started
+
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,12 +53,13 @@ def unwritable(path: Path, want: str) -> str | None:
         return f"{parent} is a file, not a folder"
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"folder {parent} is not writable"
-    try:  # os.access says yes to root everywhere (/proc, a read-only mount): try it
-        fd, probe = tempfile.mkstemp(dir=parent, prefix=".peagle-probe-")
-    except OSError as err:
-        return f"folder {parent} is not writable (creating a file there fails: {err.strerror or err})"
-    os.close(fd)
-    os.unlink(probe)
+    with signals_deferred():  # an interrupt waits for the probe's removal
+        try:  # os.access says yes to root everywhere (/proc, a read-only mount): try it
+            fd, probe = tempfile.mkstemp(dir=parent, prefix=".peagle-probe-")
+        except OSError as err:
+            return f"folder {parent} is not writable (creating a file there fails: {err.strerror or err})"
+        os.close(fd)
+        os.unlink(probe)
     return None
 
 
@@ -92,6 +95,7 @@ def remove_stale_temporaries(dest: Path) -> list[Path]:
 def new_sibling(dest: Path, kind: str = "tmp") -> Path:
     """A fresh `.NAME.KIND-PID-random` folder beside `dest` (the pid lets a later writer tell a
     dead writer's leftovers from a live one's)."""
+    started()  # a writer: an interrupt from here unwinds, removing what it made
     return Path(tempfile.mkdtemp(prefix=f".{dest.name}.{kind}-{os.getpid()}-", dir=dest.parent))
 
 
@@ -112,6 +116,7 @@ def atomic_folder(out: str | os.PathLike) -> Iterator[Path]:
     SIGTERM (see `cli.terminate_as_interrupt`) the temporary folder is removed; folders of
     writers that were killed outright are removed by the next write to the same `out`."""
     dest = Path(out).absolute()
+    started()
     dest.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(dest)
     tmp = new_sibling(dest, "tmp")
@@ -135,6 +140,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
     """Writes a text file through a temporary sibling and a rename (never half-written), with
     the umask's ordinary mode (mkstemp alone would leave it 0600)."""
     path = Path(path).absolute()
+    started()
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -16,7 +16,7 @@ from test_train_dflash import block_batch
 
 from peagle_jax.cli import UsageError
 from train.blocks import block_loss_and_metrics, dpace_weights
-from train.config import parse_args
+from train.flags import parse_args
 from train.loop import run
 from train.step import split_params
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import peagle_jax as pj
-from train.config import parse_args
+from train.flags import parse_args
 
 ATTN = ("q_proj", "k_proj", "v_proj")
 

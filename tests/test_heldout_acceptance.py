@@ -143,7 +143,7 @@ def test_walk_rounds_steps_over_what_a_round_accepts():
 
 
 def overfit_head(target, example, k: int, extra=()):
-    from train.config import parse_args
+    from train.flags import parse_args
     from train.trainer import Trainer
 
     flags = ["--preset", "tiny", "--model.k_train", str(k), "--optim.lr", "3e-3", "--data.max_len", "64", *extra]

@@ -116,7 +116,7 @@ def test_errors_are_one_line_and_nonzero(assets, tmp_path):
     proc = run_module(
         "infer", ["generate", "--target", tmp_path / "nope", "--drafter", root / "drafter", "--prompt", "w1"]
     )
-    assert proc.returncode == 1  # the work failed: a folder it cannot use
+    assert proc.returncode == 2  # no such folder: judged with the flags, before anything loads
     assert proc.stdout == ""
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1

@@ -151,11 +151,82 @@ STARTUP_DELAYS = (0.25, 0.5)  # after the CLI installed its handlers: while it i
 @pytest.mark.parametrize("name", ["SIGINT", "SIGTERM"])
 def test_interrupted_while_importing(tmp_path, tiny_run, name, delay):
     """An interrupt during the first second (imports: an interrupt inside an extension's
-    initialisation would otherwise surface as an ImportError) is still exit 130 and one line."""
+    initialisation would otherwise surface as an ImportError) is still exit 130 and one line;
+    the trainer's says it wrote nothing, and its OUT was never made."""
     target, _ = tiny_run
+    out = tmp_path / f"out-{delay}"
     for cmd in (
         [sys.executable, "-m", "infer", "generate", "--target", str(target), "--prompt-ids", "1,2", "--mode", "none"],
-        train_command(tmp_path / f"out-{delay}", 4, target),
+        train_command(out, 4, target),
     ):
         res = interrupt(cmd, SIGNALS[name], after(delay), tmp_path)
         assert_interrupted(res)
+    assert "error: interrupted while starting: nothing was written" in res.stderr
+    assert not out.exists()
+
+
+STARTING_CLIS = {  # the other command lines, interrupted while they import JAX
+    "convert": ["-m", "peagle_jax.formats.convert", "inspect", "{tmp}"],
+    "peagle-convert": ["-c", "import sys; from peagle_jax.convert import main; sys.exit(main(['inspect', '{tmp}']))"],
+    "plan": ["-m", "peagle_jax.plan", "--target", "Llama-3.1-8B", "--device", "h100", "--layers", "3"],
+}
+
+
+@pytest.mark.parametrize("cli", list(STARTING_CLIS))
+def test_every_cli_interrupted_while_starting(tmp_path, cli):
+    """Their handlers go in before their imports (the converter's package loads nothing): a
+    SIGTERM caught at once is exit 130 and one line, not a process killed by the signal (-15)."""
+    cmd = [sys.executable, *(a.replace("{tmp}", str(tmp_path)) for a in STARTING_CLIS[cli])]
+    res = interrupt(cmd, signal.SIGTERM, after(0.0), tmp_path)
+    assert_interrupted(res)
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["train.__main__", "infer.__main__", "peagle_jax.formats", "peagle_jax.convert", "peagle_jax.plan.__main__"],
+)
+def test_a_command_line_loads_no_library_before_its_handlers(module):
+    """What runs before a command's `main` installs its handlers (its module and the packages
+    above it) imports none of JAX, torch, transformers: an interrupt there (seconds of imports)
+    would be a traceback or a process killed by SIGTERM."""
+    code = f"import importlib, sys; importlib.import_module({module!r}); "
+    code += "print([m for m in ('jax', 'torch', 'transformers', 'flax') if m in sys.modules])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=HANG_S
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+SLOW_IMPORT = """
+import sys
+from peagle_jax.cli import run
+
+def parse(argv):
+    print("importing", file=sys.stderr, flush=True)
+    import slow_library  # noqa: F401
+    return argv
+
+sys.exit(run([], parse, lambda args: print("worked")))
+"""
+
+
+def test_interrupt_ends_start_up_at_once(tmp_path):
+    """An interrupt that lands inside an import while a command starts ends the process at once:
+    it used to wait for the import to return (seconds for JAX, torch, transformers; here until
+    the import's sleep ends) and only then unwind."""
+    (tmp_path / "slow_library.py").write_text("import time\ntime.sleep(600)\nprint('imported', flush=True)\n")
+    (tmp_path / "cmd.py").write_text(SLOW_IMPORT)
+    err_path = tmp_path / "stderr.txt"
+    env = {**ENV, "PYTHONPATH": f"{ROOT}{os.pathsep}{tmp_path}"}
+    with err_path.open("w") as err:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "cmd.py")], env=env, stdout=subprocess.PIPE, stderr=err)
+        deadline = time.monotonic() + HANG_S
+        while "importing" not in err_path.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.2)  # inside the import's sleep
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=HANG_S)
+    res = subprocess.CompletedProcess(proc.args, proc.returncode, "", err_path.read_text())
+    assert_interrupted(res)
+    assert b"imported" not in stdout and b"worked" not in stdout

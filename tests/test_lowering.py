@@ -20,8 +20,8 @@ import xla_env
 import peagle_jax as pj
 from infer import SpeculativeDecoder
 from peagle_jax.engine import speculative as sp
-from train.config import parse_args
 from train.data import Example
+from train.flags import parse_args
 from train.step import batch_arrays
 from train.trainer import Trainer
 

@@ -24,7 +24,7 @@ from limits import HANG_S
 from openai_loopback import Faults, LoopbackServer
 
 from peagle_jax.cli import UsageError
-from train.config import parse_args
+from train.flags import parse_args
 from train.regenerate import Endpoint, EndpointError, regenerate
 from train.regenerate_endpoint import base_url
 

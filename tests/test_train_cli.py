@@ -17,6 +17,7 @@ from limits import HANG_S
 
 import train.__main__ as entry
 from train import config as C
+from train import flags as F
 from train.checks import INT_MAX, SEED_MAX
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,7 +113,7 @@ def test_segments_of_a_digit_that_is_no_integer(capsys):
 
 @pytest.mark.parametrize("value,want", [("3", 3), ("auto", "auto"), ("٣", 3)])
 def test_segments_still_takes_integers_and_auto(value, want):
-    assert C.parse_args(["--loop.segments", value]).loop.segments == want
+    assert F.parse_args(["--loop.segments", value]).loop.segments == want
 
 
 def test_a_config_file_that_is_not_text(tmp_path, capsys):
@@ -146,10 +147,10 @@ def test_config_file_values_of_optional_and_union_fields_are_converted(tmp_path,
 def test_config_file_union_fields_take_their_members(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("loop:\n  segments: auto\nmodel:\n  mask_token_id: 3\ndata:\n  max_anchors: null\n")
-    cfg = C.parse_args(["--config", str(f)])
+    cfg = F.parse_args(["--config", str(f)])
     assert (cfg.loop.segments, cfg.model.mask_token_id, cfg.data.max_anchors) == ("auto", 3, None)
     f.write_text("loop:\n  segments: 4\n")
-    assert C.parse_args(["--config", str(f)]).loop.segments == 4
+    assert F.parse_args(["--config", str(f)]).loop.segments == 4
 
 
 HUGE = str(10**30)
@@ -195,8 +196,8 @@ def test_eval_prompts_is_checked_only_when_evaluating(tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["w1 w2"]}) + "\n")
     for value in ("mtbench", "HumanEval", "synthetic", str(prompts)):
-        assert C.parse_args(["--eval.prompts", value]).eval.prompts == value
-    assert C.parse_args(["--eval.enabled", "false", "--eval.prompts", "nope"]).eval.prompts == "nope"
+        assert F.parse_args(["--eval.prompts", value]).eval.prompts == value
+    assert F.parse_args(["--eval.enabled", "false", "--eval.prompts", "nope"]).eval.prompts == "nope"
 
 
 def test_long_and_odd_names_are_no_traceback(capsys):
@@ -208,8 +209,8 @@ def test_long_and_odd_names_are_no_traceback(capsys):
 
 def test_the_saved_config_of_a_parsed_command_line_reads_back():
     """config.json (what a resume compares) holds what the command line set."""
-    cfg = C.parse_args(["--preset", "tiny", "--loop.segments", "auto", "--eval.ks", "3", "5", "--optim.lr", "1.2e-38"])
-    assert C.from_dict(C.to_dict(cfg)) == cfg
+    cfg = F.parse_args(["--preset", "tiny", "--loop.segments", "auto", "--eval.ks", "3", "5", "--optim.lr", "1.2e-38"])
+    assert F.from_dict(C.to_dict(cfg)) == cfg
 
 
 def test_messages_are_one_line_with_no_traceback_frames(capsys):

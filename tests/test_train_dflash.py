@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from train.blocks import BlockBatch, anchor_candidates, block_loss_and_metrics, block_stats, make_block_batch
-from train.config import parse_args
 from train.data import Example
+from train.flags import parse_args
 from train.loop import run
 from train.step import split_params
 from train.trainer import Hook

@@ -15,7 +15,7 @@ import pytest
 from in_process import run_module
 from limits import HANG_S
 
-from train.config import parse_args
+from train.flags import parse_args
 from train.loop import run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from train.config import parse_args
+from train.flags import parse_args
 from train.loop import run
 
 

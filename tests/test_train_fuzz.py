@@ -28,10 +28,11 @@ from in_process import run_module
 
 import train.__main__ as entry
 from train import config as C
+from train import flags as F
 from train.checks import FLOAT32_MAX, INT_MAX
 
 SECTIONS = ("model", "data", "optim", "loop", "eval")
-FIELDS = {name: tp for name, tp in C.field_types().items() if name.split(".", 1)[0] in SECTIONS}
+FIELDS = {name: tp for name, tp in F.field_types().items() if name.split(".", 1)[0] in SECTIONS}
 
 # Placeholders of paths made by the fixture (hypothesis draws plain strings)
 FILE, DIR, MISSING = "@FILE", "@DIR", "@MISSING"
@@ -131,7 +132,7 @@ IN_THE_STEP = {  # float32 there
 def _check_parsed(cfg) -> None:
     """What a command line that parses hands to the training: finite values in range, and a
     config.json (what a resume compares) that reads back the same."""
-    assert C.from_dict(C.to_dict(cfg)) == cfg
+    assert F.from_dict(C.to_dict(cfg)) == cfg
     for section in SECTIONS:
         part = getattr(cfg, section)
         for name, value in vars(part).items():

@@ -9,8 +9,8 @@ import pytest
 from peagle_jax.cli import UsageError
 from train import config as C
 from train.__main__ import main
-from train.config import parse_args
 from train.data import DataError, load_conversations, tokenize
+from train.flags import parse_args
 from train.tiny import tokenizer as tiny_tokenizer
 
 GOOD = {"messages": [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4 w5 w6"}]}
@@ -194,7 +194,7 @@ def test_missing_source_is_one_line(tmp_path, capsys, tiny_target):
                 str(tmp_path / "nope"),
             ]
         )
-        == 1
+        == 2  # judged with the flags, before the target loads
     )
     assert "no such file" in _err_line(capsys)
 

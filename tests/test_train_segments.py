@@ -18,7 +18,7 @@ from kernels.layouts import cod_sample, pad_layout
 from peagle_jax.cli import UsageError
 from peagle_jax.drafter import Drafter
 from peagle_jax.drafter_config import DrafterConfig
-from train import config as C
+from train import flags as F
 from train.cod import chain_rows
 from train.segments import resolve_segments, row_segments, segment_rows, segmented_loss
 from train.step import loss_and_metrics, split_params
@@ -157,12 +157,12 @@ def test_segments_flag_values():
     assert resolve_segments("auto", 100, 30) == 4
     assert resolve_segments("auto", 10, 30) == 1
     assert resolve_segments(3, 100, 30) == 3
-    assert C.parse_args(["--loop.segments", "auto", "--loop.max_rows_per_segment", "4096"]).loop.segments == "auto"
+    assert F.parse_args(["--loop.segments", "auto", "--loop.max_rows_per_segment", "4096"]).loop.segments == "auto"
     for bad in ("0", "-1", "two", "1.5"):
         with pytest.raises(UsageError, match=r"loop\.segments must be an integer >= 1 or auto"):
-            C.parse_args(["--loop.segments", bad])
+            F.parse_args(["--loop.segments", bad])
     with pytest.raises(UsageError, match="loop.max_rows_per_segment must be >= 1"):
-        C.parse_args(["--loop.max_rows_per_segment", "0"])
+        F.parse_args(["--loop.max_rows_per_segment", "0"])
     with pytest.raises(ValueError, match="loop.segments"):
         resolve_segments(0, 10, 10)
 

@@ -10,7 +10,7 @@ import pytest
 
 import peagle_jax as pj
 from peagle_jax.cli import UsageError
-from train.config import parse_args
+from train.flags import parse_args
 from train.loop import run
 
 

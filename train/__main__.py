@@ -12,20 +12,21 @@ import sys
 from collections.abc import Sequence
 
 RESUME_HINT = "interrupted: rerun with the same --out to resume from the last checkpoint"
+STARTING = "interrupted while starting: nothing was written"  # before the run makes or opens --out
 
 
 def main(argv=None, hooks: Sequence = ()) -> int:
     """The command line; `hooks` (`train.trainer.Hook`) are handed to the trainer's loop."""
     from peagle_jax.cli import exit_interrupted, run, terminate_as_interrupt
 
-    terminate_as_interrupt()  # first: an interrupt while the rest imports is one too
+    terminate_as_interrupt(STARTING)  # first: an interrupt while the rest imports ends the process at once
     try:
         from peagle_jax.host import reuse_freed_memory
 
         reuse_freed_memory()  # before JAX starts its threads (peagle_jax.host)
-        from train.config import parse_args
+        from train.flags import parse_args
 
-        return run(argv, parse_args, lambda cfg: train(cfg, hooks), interrupted=RESUME_HINT)
+        return run(argv, parse_args, lambda cfg: train(cfg, hooks), interrupted=RESUME_HINT, starting=STARTING)
     except KeyboardInterrupt:  # landed before run's own frame
         exit_interrupted(RESUME_HINT)
 

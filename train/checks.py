@@ -1,10 +1,12 @@
 """The values of a training configuration checked before any work starts: ranges, finiteness and
 choices, each refused with one line naming its flag (`peagle_jax.cli.UsageError`, exit 2).
-`train.config.parse_args` runs `validate` on every command line."""
+`train.flags.parse_args` runs `validate` on every command line."""
 
 from __future__ import annotations
 
 import dataclasses
+import errno
+import json
 import math
 import os
 from pathlib import Path
@@ -339,15 +341,19 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
     ]
     if not all(ok for ok, _ in out):
         return out
+    out += _written_folder_checks(cfg)
     out += [
-        (_kind(cfg.out) in ("dir", "missing"), f"--out {cfg.out}: exists and is not a folder"),
-        (
-            d.cache_features is None or _kind(d.cache_features) in ("dir", "missing"),
-            f"data.cache_features {d.cache_features}: exists and is not a folder",
-        ),
         (
             not _a_file_target(m.target),
             f"model.target {m.target}: a file, not a folder (a Hugging Face folder, an asset name, or tiny)",
+        ),
+        (
+            _named_target(m.target),
+            f"model.target {m.target}: no such folder, nor an asset name, a Hub id (org/name) or tiny",
+        ),
+        (
+            _named_source(d.source),
+            f"data.source {d.source}: no such file or folder, nor sharegpt, synthetic or a Hub dataset id (org/name)",
         ),
     ]
     # one check per Hub-only flag, so the error names the flag that was given
@@ -369,6 +375,66 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
     return out
 
 
+def _written_folder_checks(cfg) -> list[tuple[bool, str]]:
+    """The folders the run writes (--out, data.cache_features): folders or missing, writable, and
+    --out no head's or model's folder."""
+    d = cfg.data
+    out = [
+        (_kind(cfg.out) in ("dir", "missing"), f"--out {cfg.out}: exists and is not a folder"),
+        (
+            d.cache_features is None or _kind(d.cache_features) in ("dir", "missing"),
+            f"data.cache_features {d.cache_features}: exists and is not a folder",
+        ),
+    ]
+    if not all(ok for ok, _ in out):
+        return out
+    foreign = foreign_out(cfg.out)
+    out.append((foreign is None, f"--out {cfg.out}: {foreign}"))
+    for flag, folder in (("--out", cfg.out), ("data.cache_features", d.cache_features)):
+        why = folder is not None and _unwritable_folder(folder)
+        out.append((not why, f"{flag} {folder}: {why}"))
+    return out
+
+
+def foreign_out(out: str) -> str | None:
+    """What an existing --out holds when it is no training run's folder: a drafter head (this
+    project's format, vLLM, speculators) or a model (a config.json that is not a run's), which a
+    run would write into (its config.json replaced by the run's). None: a new folder, an empty
+    one, a run's, or one without a config.json."""
+    from peagle_jax.formats.head_config import head_kind, is_run_config
+
+    p = Path(out)
+    if _kind(out) != "dir":
+        return None
+    kind = head_kind(p)
+    if kind is None and (p / "config.json").is_file():
+        try:
+            raw = json.loads((p / "config.json").read_text())
+        except (OSError, ValueError):
+            raw = None
+        if is_run_config(raw):
+            return None
+        if not (isinstance(raw, dict) and ("model_type" in raw or "architectures" in raw)):
+            return "holds a config.json that is not a training run's (a run writes its own there): give a new folder"
+        kind = "a Hugging Face model folder"
+    if kind is None:
+        return None
+    return f"{kind}, not a training run's (a run writes its own config.json there): give a new folder"
+
+
+def _unwritable_folder(path: str) -> str | None:
+    """Why the run cannot write into folder `path` (made when missing), None when it can."""
+    from peagle_jax.folders import unwritable
+
+    p = Path(path)
+    try:
+        if p.is_dir():  # written into, not beside
+            return None if os.access(p, os.W_OK | os.X_OK) else f"folder {p} is not writable"
+        return unwritable(p, "folder")
+    except (OSError, ValueError):  # a name the system refuses (too long, a NUL byte): the run's own error names it
+        return None
+
+
 def _kind(path: str, expand: bool = False) -> str:
     """dir, file, other (a device, a socket ...) or missing; a name the system refuses (too long,
     a NUL byte) is missing here, and the run's own error names it. `expand`: ~ is the home folder."""
@@ -385,6 +451,34 @@ def _a_file_target(target: str) -> bool:
     from peagle_jax.assets import ASSETS
 
     return target not in ASSETS
+
+
+def _named_target(target: str) -> bool:
+    """What `train.loop.resolve_target` can find: tiny, an asset, a path, or a Hub id to download."""
+    from peagle_jax.assets import ASSETS
+    from peagle_jax.hub import is_repo_id
+
+    named = target == "tiny" or target in ASSETS or _kind(target) != "missing" or is_repo_id(target)
+    return named or _refused_name(target)
+
+
+def _named_source(source: str) -> bool:
+    """What `train.data.load_conversations` reads: the two built-in sets, a path, or a Hub dataset id."""
+    from train.data import hub_source
+
+    named = source in ("sharegpt", "synthetic") or _kind(source) != "missing" or hub_source(source)
+    return named or _refused_name(source)
+
+
+def _refused_name(path: str) -> bool:
+    """A name the system refuses (too long, a NUL byte): left to the run, whose error names it."""
+    try:
+        os.stat(path)
+    except ValueError:  # a NUL byte
+        return True
+    except OSError as err:
+        return err.errno == errno.ENAMETOOLONG
+    return False
 
 
 def _a_hub_source(source: str) -> bool:

@@ -17,12 +17,12 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from peagle_jax.cli import UsageError, check_interrupted, interrupted, note, signals_deferred
+from peagle_jax.cli import UsageError, check_interrupted, interrupted, note, signals_deferred, started
 from train import config as C
 from train import data as D
 from train import distributed as dist
 from train.checkpoint import Checkpoints
-from train.checks import INT_MAX, check_target_fits
+from train.checks import INT_MAX, check_target_fits, foreign_out
 from train.evaluate import heldout_rounds
 from train.metrics import MetricsLog
 from train.payoff import fastest_k, payoff
@@ -248,6 +248,8 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
         raise TrainError("data.cache_features and data.regenerate run in one process only (dist.num_processes 1)")
     mesh = device_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
     out = Path(cfg.out).absolute()
+    import_libraries(cfg)
+    started()  # OUT is made or opened next: an interrupt from here unwinds (OUT removed or its checkpoint kept)
     created = first_missing(out)
     opened: list = []  # what leave_out closes before it removes OUT
     try:
@@ -260,6 +262,17 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
                 pass
         leave_out(out, created, err)
         raise
+
+
+def import_libraries(cfg: C.TrainConfig) -> None:
+    """The libraries the run loads its target with, imported while it is still starting: an import
+    takes seconds (torch, transformers) and an interrupt can only unwind once it has returned; in
+    start-up the interrupt ends the process at once (`peagle_jax.cli.starting_up`)."""
+    from transformers import AutoTokenizer  # noqa: F401 - every target's tokenizer
+
+    if cfg.model.target == "tiny":
+        import torch  # noqa: F401 - train.tiny builds the target with them
+        from transformers import LlamaForCausalLM  # noqa: F401
 
 
 def first_missing(path: Path) -> Path | None:
@@ -390,6 +403,9 @@ def prepare_out(cfg: C.TrainConfig) -> Path:
     out = Path(cfg.out).absolute()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {cfg.out}: exists and is not a folder")
+    foreign = foreign_out(cfg.out)  # checked by the flags too; a config built in Python reaches here unchecked
+    if foreign is not None:
+        raise UsageError(f"--out {cfg.out}: {foreign}")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -8,18 +8,27 @@ which head kind: `engines`), and the converter command line (`python -m peagle_j
 here works on (DrafterConfig, {path: array}); it never runs a head (`peagle_jax.engine`).
 """
 
-from peagle_jax.formats.checkpoints import (
-    DrafterIOError,
-    detect_format,
-    export_speculators,
-    export_vllm,
-    read_drafter,
-)
-from peagle_jax.formats.convert import export_drafter
-from peagle_jax.formats.head_config import head_kind, read_speculators_config, read_vllm_config, refuse_head
-from peagle_jax.formats.inspect import format_report, inspect_folder
-from peagle_jax.formats.own import write_own
-from peagle_jax.formats.serving import SERVE_K, serve_command, serve_k, serve_lines, serve_note, target_facts
+_LAZY = {  # every name loads on first use: `python -m peagle_jax.formats.convert` installs its handlers first
+    "DrafterIOError": "checkpoints",
+    "detect_format": "checkpoints",
+    "export_speculators": "checkpoints",
+    "export_vllm": "checkpoints",
+    "read_drafter": "checkpoints",
+    "export_drafter": "convert",
+    "head_kind": "head_config",
+    "read_speculators_config": "head_config",
+    "read_vllm_config": "head_config",
+    "refuse_head": "head_config",
+    "format_report": "inspect",
+    "inspect_folder": "inspect",
+    "write_own": "own",
+    "SERVE_K": "serving",
+    "serve_command": "serving",
+    "serve_k": "serving",
+    "serve_lines": "serving",
+    "serve_note": "serving",
+    "target_facts": "serving",
+}
 
 __all__ = [
     "SERVE_K",
@@ -42,3 +51,11 @@ __all__ = [
     "target_facts",
     "write_own",
 ]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"peagle_jax.formats.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'peagle_jax.formats' has no attribute {name!r}")

@@ -52,7 +52,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run
+from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run, terminate_as_interrupt
+
+if __name__ == "__main__":  # `python -m peagle_jax.formats.convert`: the imports below load JAX (seconds)
+    terminate_as_interrupt("interrupted")
+
 from peagle_jax.config import ConfigError
 from peagle_jax.folders import (
     CONFIG_FILE,
@@ -65,11 +69,12 @@ from peagle_jax.folders import (
 )
 from peagle_jax.formats.checkpoints import read_drafter, speculators_tensors, vllm_tensors
 from peagle_jax.formats.engines import NEWEST_VLLM, installed_vllm, parse_vllm_version
+from peagle_jax.formats.head_config import refuse_head, run_folder_of
 from peagle_jax.formats.head_config_write import speculators_config, vllm_config
 from peagle_jax.formats.inspect import format_report, inspect_folder
 from peagle_jax.formats.own import OWN_CONFIG_FILE, write_own
 from peagle_jax.formats.serving import SERVE_K, resolve_verifier, target_facts
-from peagle_jax.hub import repo_id_of, resolve
+from peagle_jax.hub import is_repo_id, repo_id_of, resolve
 
 __all__ = [
     "main",
@@ -108,6 +113,9 @@ def check_output(src: str | os.PathLike, out: str | os.PathLike) -> Path:
     why = unwritable(dest, "folder")
     if why:
         raise DestinationError(f"OUT {out}: {why}")
+    run = run_folder_of(dest)
+    if run is not None:  # it holds config.json, which --overwrite would take for a model's
+        raise DestinationError(f"OUT {out}: {run}; a converter never replaces a run's folder")
     return dest
 
 
@@ -344,6 +352,7 @@ def convert_target(
     parse_size(max_shard_size)
     dest = check_output(p, out)
     check_destination(dest, overwrite, CONFIG_FILE)
+    refuse_head(p)  # a head or a run's folder, named as such (not a missing tensor of the target)
     d = _source_dtype(p) if dtype == "auto" else dtype
     tcfg = target_config(p)
     _, state = load_params(p, tcfg, d)
@@ -361,6 +370,22 @@ def _size_arg(text: str) -> str:
         parse_size(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def _target_arg(text: str) -> str:
+    """--target: an existing folder, or a Hub id (org/name) where no such path exists."""
+    p = Path(text)
+    if p.is_dir() or (not p.exists() and is_repo_id(text)):
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: " + ("not a folder" if p.exists() else "no such folder, nor a Hub id (org/name)")
+    )
+
+
+def _hub_id_arg(text: str) -> str:
+    if not is_repo_id(text):
+        raise argparse.ArgumentTypeError(f"expected a Hub id (org/name), got {text!r}")
     return text
 
 
@@ -416,12 +441,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         metavar="DIR",
+        type=_target_arg,
         help="the target's HF folder or Hub id: checked against, and its "
         "max_position_embeddings used when larger than the drafter's",
     )
     p.add_argument(
         "--verifier",
         metavar="ORG/NAME",
+        type=_hub_id_arg,
         help="the target's hub id to record (speculators "
         "verifier.name_or_path, which `vllm serve OUT` needs; default: --target's id when it came from the Hub, "
         "else the one the drafter recorded)",
@@ -456,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         metavar="DIR",
+        type=_target_arg,
         help="target HF folder or Hub id: embeddings for an EAGLE-3 head that ships none (DFlash: embeddings and "
         "lm_head)",
     )
@@ -475,6 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target",
         metavar="DIR",
+        type=_target_arg,
         help="target HF folder or Hub id to check against (default: the recorded verifier, when it is here "
         "or in the Hugging Face cache)",
     )
@@ -575,7 +604,13 @@ def _run(args) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """The CLI. Exit status: 0 ok, 1 the work failed, 2 usage, 130 interrupted; `inspect`: 0
     clean, 1 problems found, 2 the folder could not be inspected."""
-    return run(argv, build_parser().parse_args, _run, failure_code=lambda args: 2 if args.command == "inspect" else 1)
+    return run(  # reads until an export or import writes its temporary folder
+        argv,
+        build_parser().parse_args,
+        _run,
+        failure_code=lambda args: 2 if args.command == "inspect" else 1,
+        starting="interrupted",
+    )
 
 
 if __name__ == "__main__":

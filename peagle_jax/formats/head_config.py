@@ -166,11 +166,35 @@ def head_kind(folder: str | os.PathLike) -> str | None:
     return f"a vLLM drafter head (architectures {heads})" if heads else None
 
 
+RUN_SECTIONS = ("model", "data", "optim", "loop")  # a training run's config.json (`python -m train`'s OUT)
+
+
+def is_run_config(raw) -> bool:
+    """`raw` (a config.json's content) is a training run's settings, not a model's."""
+    return isinstance(raw, dict) and all(isinstance(raw.get(s), dict) for s in RUN_SECTIONS)
+
+
+def run_folder_of(folder: str | os.PathLike) -> str | None:
+    """The words for a training run's folder (`python -m train`'s --out), None for any other."""
+    p = Path(folder)
+    try:
+        raw = read_json(p / CONFIG_FILE)
+    except (ConfigError, OSError):
+        return None
+    if not is_run_config(raw):
+        return None
+    return f"a training run's folder (python -m train --out: its head is {p / 'head'}, its vLLM export {p / 'vllm'})"
+
+
 def refuse_head(folder: str | os.PathLike) -> None:
-    """ConfigError naming a drafter head's folder given where a target model is expected."""
+    """ConfigError naming a drafter head's folder, or a training run's, given where a target model
+    is expected."""
     kind = head_kind(folder)
     if kind is not None:
         raise ConfigError(f"{folder}: {kind}, not a target model (a head is given as the drafter)")
+    run = run_folder_of(folder)
+    if run is not None:
+        raise ConfigError(f"{folder}: {run}, not a target model")
 
 
 def head_facts(raw: dict, where: str) -> HeadFacts:
@@ -190,6 +214,9 @@ def head_facts(raw: dict, where: str) -> HeadFacts:
         return _as_dflash(facts, raw) if kind == DFLASH_TYPE else facts
     arch = raw.get("architectures") or []
     known = [a for a in arch if a in VLLM_ARCHITECTURES or a == DFLASH_ARCH] if isinstance(arch, list) else []
+    if not known and is_run_config(raw):
+        run = Path(where).parent
+        raise ConfigError(f"{run}: a training run's folder, not a drafter head (its head is {run / 'head'})")
     if not known:
         raise ConfigError(
             f"{where}: key 'architectures' is {arch!r}, not a drafter head "

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from peagle_jax.cli import OneLineParser, positive_int, run
 from peagle_jax.folders import atomic_write_text, unwritable
-from peagle_jax.models.presets import PRESETS, target_config
-from peagle_jax.plan.devices import deviceless_env, parse_device
+
+# peagle_jax.plan.devices and peagle_jax.models.presets load JAX (seconds): imported where used, once `run` has
+# installed the interrupt handlers
 
 
 def parser() -> OneLineParser:
@@ -55,6 +56,9 @@ def parse(argv):
     args = parser().parse_args(argv)
     if args.list:
         return args
+    from peagle_jax.models.presets import PRESETS
+    from peagle_jax.plan.devices import parse_device
+
     if not (args.target and args.device):
         parser().error("--target and --device are required")
     try:
@@ -96,6 +100,9 @@ def _check_work_flags(args) -> None:
 
 
 def work(args) -> int:
+    from peagle_jax.models.presets import PRESETS, target_config
+    from peagle_jax.plan.devices import deviceless_env
+
     if args.list:
         print("\n".join(PRESETS))
         return 0
@@ -110,7 +117,7 @@ def work(args) -> int:
 
 
 def main(argv=None) -> int:
-    return run(argv, parse, work)
+    return run(argv, parse, work, starting="interrupted")  # compiles only, until --json is written
 
 
 if __name__ == "__main__":

@@ -154,7 +154,7 @@ def synthetic_examples(batch: int, tokens: int, vocab: int):
 
 def _train_config(mode: str, tokens: int, batch: int, compute_dtype: str, segments, flags):
     """The TrainConfig `python -m train` builds for this plan's step (UsageError / ConfigError)."""
-    from train.config import parse_args
+    from train.flags import parse_args
 
     args = ["--model.mode", mode, "--model.compute_dtype", compute_dtype, "--data.max_len", str(tokens)]
     return parse_args([*args, "--data.batch_size", str(batch), "--loop.segments", str(segments), *flags])

@@ -13,8 +13,8 @@ import peagle_jax as pj
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import speculative as sp
 from peagle_jax.sharding import device_mesh
-from train.config import parse_args
 from train.data import Example
+from train.flags import parse_args
 from train.step import batch_arrays
 from train.trainer import Trainer
 

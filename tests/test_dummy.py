@@ -168,3 +168,24 @@ def test_train_on_dummy_weights_marks_the_head(unseen, tmp_path):
     assert "drafter.json" in warning and "its drafts are meaningless" in warning
     real = dataclasses.replace(pj.load_drafter(out / "head").config, dummy_target=False)
     assert "dummy_target" not in real.to_dict()  # other heads' drafter.json stay as they were
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (
+            ["--model.target", "Llama-3.1-8B"],
+            "Llama-3.1-8B: no such folder, nor an asset name, a Hub id (org/name) or "
+            "tiny (a preset needs --model.load_format dummy)",
+        ),
+        (
+            ["--model.target", "Nope-8B", "--model.load_format", "dummy"],
+            "Nope-8B: no such folder, nor an asset name, a Hub id (org/name) or tiny, nor a preset",
+        ),
+        (["--model.load_format", "fake"], "model.load_format must be auto or dummy, got 'fake'"),
+    ],
+)
+def test_train_flags_for_dummy_weights(argv, words, tmp_path):
+    r = run_module("train", [*argv, "--out", tmp_path / "run"])
+    assert r.returncode == 2 and words in r.stderr.strip().splitlines()[-1], r.stderr
+    assert not (tmp_path / "run").exists()

@@ -348,8 +348,9 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
             f"model.target {m.target}: a file, not a folder (a Hugging Face folder, an asset name, or tiny)",
         ),
         (
-            _named_target(m.target),
-            f"model.target {m.target}: no such folder, nor an asset name, a Hub id (org/name) or tiny",
+            _named_target(m.target) or (m.load_format == "dummy" and _preset(m.target)),
+            f"model.target {m.target}: no such folder, nor an asset name, a Hub id (org/name) or tiny"
+            + (", nor a preset" if m.load_format == "dummy" else " (a preset needs --model.load_format dummy)"),
         ),
         (
             _named_source(d.source),
@@ -460,6 +461,13 @@ def _named_target(target: str) -> bool:
 
     named = target == "tiny" or target in ASSETS or _kind(target) != "missing" or is_repo_id(target)
     return named or _refused_name(target)
+
+
+def _preset(target: str) -> bool:
+    """A preset target (`peagle_jax.models.presets`): shapes only, which dummy weights can fill."""
+    from peagle_jax.models.presets import preset_fields
+
+    return preset_fields(target) is not None
 
 
 def _named_source(source: str) -> bool:

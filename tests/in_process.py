@@ -18,7 +18,7 @@ MAINS = {
     "train": "train.__main__",
     "infer": "infer.__main__",
     "peagle_jax.convert": "peagle_jax.formats.convert",
-    "peagle_jax.plan": "peagle_jax.plan.__main__",
+    "peagle_jax.plan": "plan.__main__",
 }
 
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from peagle_jax.plan.__main__ import main
+from plan.__main__ import main
 
 BASE = ["--target", "Llama-3.1-8B", "--device", "h100"]
 

@@ -1,4 +1,4 @@
-"""`python -m peagle_jax.plan --run` (`peagle_jax.plan.execute`): a planned program compiled for this
+"""`python -m peagle_jax.plan --run` (`plan.execute`): a planned program compiled for this
 machine's devices runs on inputs of its shapes and is timed; the CLI refuses to run a plan for a
 device this machine does not have, before compiling anything."""
 
@@ -11,9 +11,9 @@ import pytest
 from in_process import run_module
 
 from peagle_jax.models.presets import target_config
-from peagle_jax.plan.execute import concrete_inputs, run_compiled
-from peagle_jax.plan.programs import abstract_target, compile_traced, mesh_of
-from peagle_jax.plan.run import job_programs, run_line
+from plan.execute import concrete_inputs, run_compiled
+from plan.programs import abstract_target, compile_traced, mesh_of
+from plan.run import job_programs, run_line
 
 SMALL = dict(hidden_size=128, intermediate_size=256, vocab_size=1024, num_heads=4, num_kv_heads=2, head_dim=32)
 

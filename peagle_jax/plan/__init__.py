@@ -1,3 +1,3 @@
-"""`python -m peagle_jax.plan`: compile a user's program for a named GPU or TPU without one, and
-read the compiler's verdict and memory plan (`devices`: the devices; `programs`: the programs;
-`presets`: built-in target shapes)."""
+"""What the plan command (the top-level `plan` package, `python -m peagle_jax.plan`) knows without
+building a program: the devices (`devices`: memory, bandwidth, peak rates, deviceless topologies),
+the roofline model (`roofline`) and the kernel launches of a compiled program (`launches`)."""

@@ -14,9 +14,9 @@ from kernels.limits import on_device
 from peagle_jax.models import moe as moe_mod
 from peagle_jax.models.presets import target_config
 from peagle_jax.plan.devices import parse_device
-from peagle_jax.plan.programs import abstract_target, compile_program, mesh_of
-from peagle_jax.plan.run import job_programs
 from peagle_jax.target import target_apply
+from plan.programs import abstract_target, compile_program, mesh_of
+from plan.run import job_programs
 
 BATCH = 64
 

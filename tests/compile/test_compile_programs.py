@@ -14,8 +14,8 @@ import pytest
 from kernels.limits import on_device
 from peagle_jax.models.presets import target_config
 from peagle_jax.plan.devices import parse_device
-from peagle_jax.plan.programs import abstract_target, compile_program, mesh_of
-from peagle_jax.plan.run import MODES, job_programs
+from plan.programs import abstract_target, compile_program, mesh_of
+from plan.run import MODES, job_programs
 
 TARGET, LAYERS, TOKENS, CACHE = "Llama-3.1-8B", 3, 128, 2048
 # the trainer's depths and segments repeat one program: 2 depths, one segment compile it once
@@ -91,7 +91,7 @@ def test_the_decode_steps_estimate_counts_every_product_and_reads_no_embedding(t
     hand count of Llama's products and the decode kernel's pairs; its bytes leave out the untied
     embedding table (rows gathered, never read whole); a P-EAGLE round costs more than one step."""
     from kernels.cost import causal_pairs
-    from peagle_jax.plan.run import program_estimate
+    from plan.run import program_estimate
 
     c = targets["tpu", "serve"].config
     h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim

@@ -7,9 +7,10 @@ import dataclasses
 import jax
 
 from peagle_jax.plan.devices import Device, topology_devices
-from peagle_jax.plan.execute import run_compiled
 from peagle_jax.plan.launches import Launches
-from peagle_jax.plan.programs import (
+from peagle_jax.plan.roofline import Estimate, estimate
+from plan.execute import run_compiled
+from plan.programs import (
     Program,
     abstract_head,
     abstract_target,
@@ -18,7 +19,6 @@ from peagle_jax.plan.programs import (
     serve_round,
     train_step,
 )
-from peagle_jax.plan.roofline import Estimate, estimate
 
 __all__ = ["plan", "planned_ok", "job_programs", "line", "fits", "program_estimate", "round_costs"]
 

@@ -162,6 +162,7 @@ def test_train_on_dummy_weights_marks_the_head(unseen, tmp_path):
     r = run_module("train", argv)
     assert r.returncode == 0, r.stderr
     assert "note: the target's weights were dummy (random)" in r.stdout
+    assert "serve: none (a head trained on dummy weights" in r.stdout and "vllm serve" not in r.stdout
     assert json.loads((out / "summary.json").read_text())["target_load_format"] == "dummy"
     assert json.loads((out / "head" / "drafter.json").read_text())["config"]["dummy_target"] is True
     (warning,) = [w for w in inspect_folder(out / "head")["warnings"] if "dummy" in w]

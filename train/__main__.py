@@ -63,6 +63,9 @@ def train(cfg, hooks: Sequence = ()) -> int:
             f"{ev['baseline_tokens_per_second']:.1f} plain = {ev['speedup']:.2f}x"
         )
     print_advice(summary)
+    if summary.get("target_load_format") == "dummy":  # nothing worth serving: its drafts mean nothing
+        print("serve: none (a head trained on dummy weights is for speed and memory runs)")
+        return 0
     if summary.get("serve_note"):
         print(f"note: {summary['serve_note']}")
     for line in summary["serve_lines"]:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from infer.load import load_head, load_target, new_head_layers, status, target_config
+from infer.load import load_head, load_target, new_head_layers, status, synthetic_lengths, target_config
 from peagle_jax.cli import (
     DefaultsFormatter,
     OneLineParser,
@@ -129,7 +129,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "prompts, interleaved batch by batch, with speedup and acceptance statistics.",
     )
     _common(bench, bench=True)
-    bench.add_argument("--prompts", default="mtbench", help="mtbench | humaneval | a JSONL file")
+    bench.add_argument(
+        "--prompts",
+        default="mtbench",
+        help="mtbench | humaneval | a JSONL file | synthetic:LENGTHS (random token ids, e.g. synthetic:128,1024: "
+        "no tokenizer needed, --limit of them, 8 by default)",
+    )
     bench.add_argument("--limit", type=positive_int, default=None, help="use the first N prompts (default: all)")
     bench.add_argument(
         "--max-prompt-tokens", type=positive_int, default=None, help="leave out longer prompts (default: none)"
@@ -156,7 +161,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         if why:
             parser.error(f"--json {args.json_out}: {why}")
     if args.command == "bench" and not _prompt_source(args.prompts):
-        parser.error(f"--prompts {args.prompts!r}: neither mtbench, humaneval nor an existing JSONL file")
+        parser.error(
+            f"--prompts {args.prompts!r}: neither mtbench, humaneval, an existing JSONL file nor synthetic:LENGTHS "
+            "(positive integers, comma separated)"
+        )
     if args.command in ("generate", "bench"):
         _check_paths(parser, args)
     return args
@@ -250,6 +258,8 @@ def _prompt_source(name: str) -> bool:
     """A set `peagle_jax.engine.prompts.load_prompts` knows, or a file (judged before the target loads)."""
     from peagle_jax.engine.prompts import PROMPT_SETS
 
+    if name.startswith("synthetic:"):
+        return synthetic_lengths(name) is not None
     return name.lower().replace("-", "").replace("_", "") in PROMPT_SETS or Path(name).expanduser().is_file()
 
 

@@ -19,9 +19,11 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from infer.load import synthetic_lengths
 from peagle_jax.engine import SpeculativeDecoder, load_prompts, prompt_ids
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
@@ -119,13 +121,36 @@ def _batches(items, size):
     return [items[i : i + size] for i in range(0, len(items), size)]
 
 
+SYNTHETIC_COUNT = 8  # prompts of --prompts synthetic:LENGTHS without --limit
+
+
+def synthetic_prompts(batch: int, length: int, vocab: int, avoid=(), seed: int = 0) -> list[list[int]]:
+    """`batch` prompts of `length` random token ids in [0, vocab), none of them in `avoid` (eos)."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=(batch, length))
+    for token in avoid:
+        ids[ids == token] = (token + 1) % vocab
+    return ids.tolist()
+
+
 def source_prompt_ids(target, source: str, limit: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
     """Token ids of the prompts of `source` (mtbench | humaneval | a JSONL file) in the target's
-    format; with `max_tokens`, longer prompts are left out; at most `limit` of them."""
-    if target.tokenizer is None:
+    format, or of `synthetic:LENGTHS` (random ids, `limit` or 8 prompts cycling through the
+    lengths); with `max_tokens`, longer prompts are left out; at most `limit` of them."""
+    lengths = synthetic_lengths(source)
+    if lengths is not None:
+        c = target.config
+        rows = [synthetic_prompts(1, lengths[i % len(lengths)], c.vocab_size, c.eos_token_id, seed=i)[0]
+                for i in range(limit or SYNTHETIC_COUNT)]  # fmt: skip
+        ids = [r for r in rows if max_tokens is None or len(r) <= max_tokens]
+    elif target.tokenizer is None:
         where = getattr(target, "path", None) or "the target"
-        raise ValueError(f"--prompts {source}: text prompts need a tokenizer, and {where} has none (tokenizer.json)")
-    ids = prompt_ids(target.tokenizer, load_prompts(source), max_tokens, limit)
+        raise ValueError(
+            f"--prompts {source}: text prompts need a tokenizer, and {where} has none (tokenizer.json); "
+            "--prompts synthetic:LENGTHS needs none"
+        )
+    else:
+        ids = prompt_ids(target.tokenizer, load_prompts(source), max_tokens, limit)
     if not ids:
         raise ValueError(f"--prompts {source}: no prompts" + (f" of at most {max_tokens} tokens" if max_tokens else ""))
     return ids

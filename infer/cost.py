@@ -25,9 +25,8 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from infer.bench import round_breakdown, round_timing, timed
+from infer.bench import round_breakdown, round_timing, synthetic_prompts, timed
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.folders import atomic_write_text
 
@@ -81,15 +80,6 @@ def phase(report: Report, name: str):
         report.phase_done(f"{name} (failed)", time.perf_counter() - t)
         raise
     report.phase_done(name, time.perf_counter() - t)
-
-
-def synthetic_prompts(batch: int, length: int, vocab: int, avoid=(), seed: int = 0) -> list[list[int]]:
-    """`batch` prompts of `length` random token ids in [0, vocab), none of them in `avoid` (eos)."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, size=(batch, length))
-    for token in avoid:
-        ids[ids == token] = (token + 1) % vocab
-    return ids.tolist()
 
 
 def read_bandwidth(nbytes: int, dtype, reps: int = 5) -> float:

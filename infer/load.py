@@ -9,6 +9,7 @@ import sys
 from peagle_jax.cli import positive_int
 
 NEW_DRAFT_VOCAB = 16384  # train's model.draft_vocab default
+SYNTHETIC = "synthetic:"  # --prompts synthetic:LENGTHS: random token ids, no tokenizer needed
 
 
 def status(message: str) -> None:
@@ -56,3 +57,14 @@ def load_head(spec: str, target, mode: str):
     vocab = target.config.vocab_size
     draft_vocab = np.arange(NEW_DRAFT_VOCAB) if vocab > NEW_DRAFT_VOCAB else None
     return pj.new_drafter(target, num_layers=layers, mode=mode, draft_vocab=draft_vocab, seed=0)
+
+
+def synthetic_lengths(source: str) -> list[int] | None:
+    """The lengths of `synthetic:L1,L2,...` (positive integers), None for any other source."""
+    if not source.startswith(SYNTHETIC):
+        return None
+    try:
+        lengths = [int(t) for t in source[len(SYNTHETIC) :].split(",")]
+    except ValueError:
+        return None
+    return lengths if lengths and min(lengths) > 0 else None

@@ -142,10 +142,21 @@ def test_generate_on_dummy_weights_is_lossless(unseen):
     assert len(json.loads(plain.stdout)["tokens"]) == 10
 
 
+def test_bench_on_synthetic_prompts_without_a_tokenizer(unseen, tmp_path):
+    argv = ["bench", "--target", unseen, "--load-format", "dummy", "--drafter", "new", "--k", "3"]
+    argv += ["--prompts", "synthetic:12,30", "--limit", "3", "--max-new-tokens", "6", "--json", tmp_path / "b.json"]
+    r = run_module("infer", argv)
+    assert r.returncode == 0, r.stderr
+    out = json.loads((tmp_path / "b.json").read_text())
+    assert out["prompts"] == "synthetic:12,30" and out["batches"] == 3
+    assert out["greedy_mismatches"] == 0 and out["new_tokens"] == 3 * 6
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [
         (["generate", "--drafter", "new:0", "--prompt-ids", "1"], "--drafter new:0: expected new or new:LAYERS"),
+        (["bench", "--drafter", "new", "--prompts", "synthetic:0"], "neither mtbench, humaneval, an existing JSONL"),
         (["cost", "--modes", "parallel,bogus"], "--modes: expected some of parallel, chain, dflash"),
         (["cost", "--load-format", "real"], "--load-format: invalid choice"),
     ],

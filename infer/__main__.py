@@ -1,4 +1,4 @@
-"""`python -m infer generate|bench`: speculative decoding from the command line.
+"""`python -m infer generate|bench|serve`: speculative decoding from the command line.
 
 Exit status: 0 ok, 1 the work failed (a folder, file or value the command could not use),
 2 a usage error. Errors are one line on stderr; progress lines go to stderr, results to stdout.
@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from infer.serve.cli import add_serve_args, run_serve
 from peagle_jax.cli import (
     DefaultsFormatter,
     OneLineParser,
@@ -126,6 +127,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     bench.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
     bench.add_argument("--json", dest="json_out", metavar="FILE", help="write all results to this file")
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (continuous batching)",
+        formatter_class=Formatter,
+        description="Serve /v1/completions and /v1/chat/completions (streaming or not), /v1/models, /health "
+        "and /metrics, decoding up to --max-batch requests together.",
+    )
+    add_serve_args(serve)
     args = parser.parse_args(argv)
     if args.mode != "none" and not args.drafter:
         parser.error(
@@ -264,6 +273,8 @@ def _work(args) -> int:
 
 def _dispatch(args) -> int:
     check_k(args)
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "generate":
         run_generate(args)
         return 0

@@ -32,6 +32,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         "--max-batch x --max-len is the cache memory",
     )
     p.add_argument("--max-queue", type=positive_int, default=64, help="requests waiting for a slot (more: 503)")
+    p.add_argument(
+        "--rounds-per-step",
+        type=positive_int,
+        default=1,
+        help="rounds run in one device call between admissions (a step ends early when a request "
+        "finishes); more: fewer host round trips (small models), new requests wait up to that many rounds",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port_number, default=8000, help="port to listen on")
     p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: --target)")

@@ -1,6 +1,6 @@
 """The device loop: requests in, tokens out (continuous batching over `peagle_jax.engine.slots`).
 
-One thread owns the device. Between rounds it admits waiting requests into free slots (each
+One thread owns the device. Between steps (one round, or a few: `--rounds-per-step`) it admits waiting requests into free slots (each
 prefilled alone, then inserted), releases the slots of cancelled ones, runs one round over every
 slot, and hands each request the tokens it gained. A request leaves its slot the round it ends:
 an eos id or stop token id, its token budget, or a cancel (a stop string seen by the HTTP side,
@@ -58,6 +58,7 @@ class Scheduler:
         self.stop_ids = frozenset(slots.cfg.eos_ids)
         self._pending: collections.deque[Job] = collections.deque()
         self._running: dict[int, Job] = {}
+        self._admitting: list[Job] = []  # taken from the queue, not yet in a slot
         self._wake = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="device-loop", daemon=True)
@@ -112,7 +113,8 @@ class Scheduler:
             log.exception("the device loop failed")
         with self._wake:
             self._closing = True
-            jobs = list(self._pending) + list(self._running.values())
+            jobs = self._admitting + list(self._pending) + list(self._running.values())
+            self._admitting = []
             self._pending.clear()
             self._running.clear()
         for job in jobs:
@@ -127,10 +129,12 @@ class Scheduler:
             if self._closing:
                 return False
             free = [s for s in range(self.slots.batch) if s not in self._running]
-            admitted = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
-        for job in admitted:
+            self._admitting = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
+        while self._admitting:
+            job = self._admitting[0]
             if not job.cancelled:
                 self._admit(job, free)
+            self._admitting.pop(0)
         self._release_cancelled()
         self._gauges()
         if self._running:
@@ -161,17 +165,19 @@ class Scheduler:
     def _round(self) -> None:
         self.slots.round()
         news = self.slots.tokens()
-        self.metrics.rounds.inc()
+        rounds = int(news.rounds.max())
+        self.metrics.rounds.inc(rounds)
         gained = 0
         ended = []
         for slot, job in list(self._running.items()):
             ids = news.new(slot)
             gained += len(ids)
-            if ids:
-                self.metrics.acceptance.observe(len(ids))
+            if news.rounds[slot]:
+                self.metrics.acceptance.observe(len(ids) / news.rounds[slot])
             if self._deliver(job, ids, bool(news.done[slot])):
                 ended.append(slot)
-        self.metrics.per_round.observe(gained)
+        if rounds:
+            self.metrics.per_round.observe(gained / rounds)
         with self._wake:
             for slot in ended:
                 self._running.pop(slot, None)

@@ -39,7 +39,7 @@ def build(args):
     drafter = None if args.mode == "none" else pj.load_drafter(args.drafter)
     mode = args.mode or drafter.config.mode
     decoder = SpeculativeDecoder(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k)
-    slots = Slots(decoder, args.max_batch, args.max_len)
+    slots = Slots(decoder, args.max_batch, args.max_len, args.rounds_per_step)
     if slots.max_new_tokens(1) < 1:
         raise UsageError(f"--max-len {args.max_len}: a slot cannot hold a 1-token prompt and one round of k={args.k}")
     scheduler = Scheduler(slots, args.max_queue, ServerMetrics(decoder.k, slots.batch))

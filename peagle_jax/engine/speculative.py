@@ -386,6 +386,22 @@ def generate_loop(cfg: EngineConfig, target, drafter, state: DecodeState) -> Dec
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: decode_round(cfg, target, drafter, s), state)
 
 
+def rounds_until_a_row_ends(cfg: EngineConfig, target, drafter, state: DecodeState, max_rounds: int) -> DecodeState:
+    """Up to `max_rounds` rounds in one device loop, ending after the first round in which a row
+    finished (a server frees its slot at once) or when no row is left running."""
+    started_done = state.done
+
+    def going(carry):
+        i, s = carry
+        return (i < max_rounds) & ~jnp.any(s.done & ~started_done) & ~jnp.all(s.done)
+
+    def one(carry):
+        i, s = carry
+        return i + 1, decode_round(cfg, target, drafter, s)
+
+    return jax.lax.while_loop(going, one, (jnp.int32(0), state))[1]
+
+
 # ---------------------------------------------------------------- jitted entry points
 # Graph definitions and the EngineConfig are static: one compile per (config, shapes).
 
@@ -441,6 +457,14 @@ def jit_round(cfg, target_def, target_state, drafter_def, drafter_state, state) 
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     with kernels_partitioned(cfg.mesh):
         return decode_round(cfg, target, drafter, state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 3, 6), donate_argnums=(5,))
+def jit_rounds(cfg, target_def, target_state, drafter_def, drafter_state, state, max_rounds: int) -> DecodeState:
+    """`rounds_until_a_row_ends`: several rounds a host call (a server's step)."""
+    target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
+    with kernels_partitioned(cfg.mesh):
+        return rounds_until_a_row_ends(cfg, target, drafter, state, max_rounds)
 
 
 def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state, platform: str):

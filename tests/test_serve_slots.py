@@ -9,7 +9,7 @@ import pytest
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
-from peagle_jax.engine.slots import Slots
+from peagle_jax.engine import Slots
 
 K, NEW = 3, 12
 ROWS, LENGTH = 3, 128  # one shape for every test: one compile of each program

@@ -20,8 +20,7 @@ from infer.serve.app import Served, create_app
 from infer.serve.metrics import ServerMetrics
 from infer.serve.scheduler import Scheduler
 from peagle_jax.cli import UsageError
-from peagle_jax.engine import SpeculativeDecoder
-from peagle_jax.engine.slots import Slots
+from peagle_jax.engine import Slots, SpeculativeDecoder
 from peagle_jax.hub import resolve
 
 GRACE_S = 5  # how long open connections may take to close once a stop was asked for

@@ -8,7 +8,7 @@ when its slowest row ends: its first token comes with the last). One server of -
 serves every C. Reported: tokens/s over the whole set, p50 / p95 of the time to first token and of
 the per-token latency (a request's decode time after its first token over its tokens after the
 first). Prompts are MT-Bench questions of at most --max-prompt-tokens tokens (one prompt bucket, so
-each side compiles once per batch shape; the compiles happen before the timed passes).
+the server compiles it at start; static generate runs each pass once untimed first, to compile).
 
     python bench/serve_bench.py [--target gemma3-270m] [--drafter DIR] [--clients 1,4,16] \
         [--prompts 16] [--max-new-tokens 32] [--max-batch 16] [--max-len 256] [--k 3] \
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         run_clients(port, prompts[:1], 1, args.max_new_tokens)  # the server compiled at start; this warms it
         for c in clients:
             served = summary(*run_clients(port, prompts, c, args.max_new_tokens))
-            run_static(decoder, prompts[:c], c, args.max_new_tokens)  # compiles batch c (one prompt bucket)
+            run_static(decoder, prompts, c, args.max_new_tokens)  # compiles (untimed) every shape of the pass
             static = summary(*run_static(decoder, prompts, c, args.max_new_tokens))
             raw[c] = {"server": served, "static": static}
             print(f"C={c}: server {served}\n      static {static}", flush=True)

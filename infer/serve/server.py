@@ -1,7 +1,7 @@
 """The server's start and stop.
 
-Start: load the target and head, build the slots, compile the round, the insert and the first
-prompt bucket (the other buckets compile on their first request), then listen. Stop (SIGINT or
+Start: load the target and head, build the slots, compile the steps (one per row count), the
+insert and the first prompt bucket (the other buckets compile on their first request), then listen. Stop (SIGINT or
 SIGTERM): refuse new requests, end the ones in flight with a last event (finish reason "abort"),
 close the connections, exit 0.
 """
@@ -43,7 +43,7 @@ def build(args):
         raise UsageError(f"--max-len {args.max_len}: a slot cannot hold a 1-token prompt and one round of k={args.k}")
     scheduler = Scheduler(slots, args.max_queue, ServerMetrics(decoder.k, slots.batch))
     status(
-        f"loaded in {time.perf_counter() - t0:.1f}s; compiling the round, the insert and the first prompt bucket ..."
+        f"loaded in {time.perf_counter() - t0:.1f}s; compiling the steps, the insert and the first prompt bucket ..."
     )
     t0 = time.perf_counter()
     warm_up(slots)
@@ -54,12 +54,13 @@ def build(args):
 
 
 def warm_up(slots) -> None:
-    """Compiles what every request runs, on a free slot left free again."""
+    """Compiles what every request runs (a step at each row count), on a slot left free again."""
     row = slots.prefill([0], 1)
     slots.first_tokens(row)
     slots.insert(row, 0)
     slots.release([0])
-    slots.round()
+    for rows in slots.row_counts():
+        slots.round(rows)
     slots.tokens()
 
 

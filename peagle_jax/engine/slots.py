@@ -3,8 +3,9 @@
 B rows of static KV caches (target and head) hold requests that come and go. A request is
 prefilled alone into a one-row state of the slots' cache length (its prompt right-padded to a
 bucket of LENGTH_MULTIPLE tokens: one compile per bucket), then inserted into a free row between
-rounds. A round (`speculative.jit_round`) runs every row; finished and free rows are frozen
-(position -1), so a row is released by marking it done. Each row samples with its own settings
+rounds. A step (`speculative.jit_rounds`) runs the rows up to the last busy one, rounded up to a
+power of two (one compile each: a server with one client pays a 1-row round); finished and free
+rows are frozen (position -1), so a row is released by marking it done. Each row samples with its own settings
 and key (`speculative.RowSampling`): a request's tokens never depend on the other rows.
 """
 
@@ -19,10 +20,6 @@ import numpy as np
 
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
-
-# DecodeState fields indexed by row (the others, key and accept_hist, belong to the whole batch)
-ROW_FIELDS = ("target_cache", "drafter_cache", "length", "last", "drafts", "done", "out", "out_len", "budget")
-ROW_FIELDS += ("rounds", "sampling")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +65,7 @@ def _insert(state: sp.DecodeState, row: sp.DecodeState, slot) -> sp.DecodeState:
     def put(big, small):
         return jax.lax.dynamic_update_slice_in_dim(big, small.astype(big.dtype), slot, axis=0)
 
-    fields = {f: jax.tree.map(put, getattr(state, f), getattr(row, f)) for f in ROW_FIELDS}
+    fields = {f: jax.tree.map(put, getattr(state, f), getattr(row, f)) for f in sp.ROW_FIELDS}
     return state._replace(**fields, accept_hist=state.accept_hist + row.accept_hist)
 
 
@@ -100,6 +97,7 @@ class Slots:
         self.start = np.zeros((self.batch,), np.int32)
         self.rounds_before = np.zeros((self.batch,), np.int32)
         self.rounds_per_step = int(rounds_per_step)
+        self.busy: set[int] = set()  # rows inserted and not yet done or released
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """The most new tokens a prompt of `prompt_len` tokens may ask for (< 1: it does not fit)."""
@@ -138,12 +136,14 @@ class Slots:
         self.state = _insert(self.state, row, jnp.int32(slot))
         self.start[slot] = 1  # its first token went out with `first_tokens`
         self.rounds_before[slot] = 0
+        self.busy.add(slot)
 
     def release(self, slots) -> None:
         """Marks rows done: they stop decoding from the next round on."""
         rows = np.zeros((self.batch,), bool)
         rows[list(slots)] = True
         self.state = _release(self.state, jnp.asarray(rows))
+        self.busy.difference_update(slots)
 
     def tokens(self) -> RoundTokens:
         """Every row's tokens since the last call (an inserted row: after its first token); a step
@@ -153,12 +153,17 @@ class Slots:
         ran = np.asarray(rounds) - self.rounds_before
         news = RoundTokens(self.start.copy(), np.asarray(out_len), np.asarray(done), np.asarray(tail), ran)
         self.start, self.rounds_before = news.end.astype(np.int32), np.array(rounds)
+        self.busy.difference_update(np.flatnonzero(news.done).tolist())
         return news
 
-    def round(self) -> None:
-        """One step over every row (rows that are done do not move): `rounds_per_step` rounds
-        at most, fewer when a row finishes first."""
-        if self.rounds_per_step == 1:
-            self.state = sp.jit_round(self.cfg, *self.modules, self.state)
-        else:
-            self.state = sp.jit_rounds(self.cfg, *self.modules, self.state, self.rounds_per_step)
+    def row_counts(self) -> list[int]:
+        """The row counts a step runs at (powers of two, and the batch): one compile each."""
+        return sorted({min(1 << i, self.batch) for i in range(self.batch.bit_length() + 1)})
+
+    def round(self, rows: int | None = None) -> None:
+        """One step: `rounds_per_step` rounds at most, fewer when a row finishes first, over the
+        rows up to the last busy one (rounded up to a `row_counts` entry; `rows`: that many)."""
+        if rows is None:
+            last = max(self.busy, default=-1) + 1
+            rows = next((n for n in self.row_counts() if n >= last), self.batch)
+        self.state = sp.jit_rounds(self.cfg, *self.modules, self.state, self.rounds_per_step, rows)

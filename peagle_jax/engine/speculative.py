@@ -66,6 +66,11 @@ class RowSampling(NamedTuple):
     key: jax.Array  # [B] typed PRNG keys
 
 
+# DecodeState fields indexed by row (the others, key and accept_hist, belong to the whole batch)
+ROW_FIELDS = ("target_cache", "drafter_cache", "length", "last", "drafts", "done", "out", "out_len", "budget")
+ROW_FIELDS += ("rounds", "sampling")
+
+
 class DecodeState(NamedTuple):
     target_cache: tuple
     drafter_cache: tuple | None
@@ -459,12 +464,33 @@ def jit_round(cfg, target_def, target_state, drafter_def, drafter_state, state) 
         return decode_round(cfg, target, drafter, state)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 3, 6), donate_argnums=(5,))
-def jit_rounds(cfg, target_def, target_state, drafter_def, drafter_state, state, max_rounds: int) -> DecodeState:
-    """`rounds_until_a_row_ends`: several rounds a host call (a server's step)."""
+def first_rows(state: DecodeState, rows: int) -> DecodeState:
+    """The state of the first `rows` rows (the batch-wide fields as they are)."""
+    return state._replace(**{f: jax.tree.map(lambda x: x[:rows], getattr(state, f)) for f in ROW_FIELDS})
+
+
+def with_first_rows(state: DecodeState, part: DecodeState) -> DecodeState:
+    """`state` with its first rows replaced by `part`'s (and `part`'s batch-wide fields)."""
+
+    def put(whole, head):
+        return jax.lax.dynamic_update_slice_in_dim(whole, head.astype(whole.dtype), 0, axis=0)
+
+    rows = {f: jax.tree.map(put, getattr(state, f), getattr(part, f)) for f in ROW_FIELDS}
+    return part._replace(**rows)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 3, 6, 7), donate_argnums=(5,))
+def jit_rounds(
+    cfg, target_def, target_state, drafter_def, drafter_state, state, max_rounds: int, rows: int | None = None
+) -> DecodeState:
+    """`rounds_until_a_row_ends` (several rounds a host call: a server's step) over the first
+    `rows` rows only (None: all), when the others are free: a round costs what its rows need."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     with kernels_partitioned(cfg.mesh):
-        return rounds_until_a_row_ends(cfg, target, drafter, state, max_rounds)
+        if rows is None or rows == state.done.shape[0]:
+            return rounds_until_a_row_ends(cfg, target, drafter, state, max_rounds)
+        part = rounds_until_a_row_ends(cfg, target, drafter, first_rows(state, rows), max_rounds)
+        return with_first_rows(state, part)
 
 
 def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state, platform: str):

@@ -167,6 +167,24 @@ def test_models_and_health(server):
     assert status == 200 and json.loads(text)["status"] == "ok"
 
 
+def test_metrics_count_what_was_served(server, prompts):
+    before = server.metric("peagle_generation_tokens_total")
+    complete(server, prompts[5], 9, temperature=0)
+    assert server.metric("peagle_generation_tokens_total") == before + 9
+    text = request(server, "GET", "/metrics")[2]
+    for name in (
+        'peagle_requests_total{endpoint="/v1/completions",status="200"}',
+        "peagle_prompt_tokens_total",
+        "peagle_rounds_total",
+        "peagle_acceptance_length_count",
+        "peagle_tokens_per_round_count",
+        "peagle_time_to_first_token_seconds_count",
+    ):
+        assert server.metric(name) > 0, name
+    assert server.metric("peagle_slots") == SLOTS
+    assert "peagle_queue_length" in text and "peagle_slots_in_use" in text
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -17,7 +17,12 @@ class ServerMetrics:
     def __init__(self, k: int, batch: int):
         self.registry = r = CollectorRegistry()
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
-        self.finished = Counter(f"{PREFIX}_requests_finished", "generations ended, by reason", ["reason"], registry=r)
+        self.finished = Counter(
+            f"{PREFIX}_requests_finished",
+            "generations ended, by reason: stop, length, abort (shutdown), cancelled (a stop string or a client gone)",
+            ["reason"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generated = Counter(f"{PREFIX}_generation_tokens", "tokens generated", registry=r)
         self.rounds = Counter(f"{PREFIX}_rounds", "speculative rounds run", registry=r)

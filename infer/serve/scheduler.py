@@ -26,7 +26,7 @@ class Tokens:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop" (an eos id, a stop token id, a stop string), "length", "abort" (shutdown)
+    reason: str  # "stop" (an eos id or stop token id), "length", "abort" (shutdown); metrics also count "cancelled"
     completion_tokens: int  # generated, the stop token included
 
 
@@ -132,7 +132,9 @@ class Scheduler:
             self._admitting = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
         while self._admitting:
             job = self._admitting[0]
-            if not job.cancelled:
+            if job.cancelled:
+                self.metrics.finished.labels("cancelled").inc()
+            else:
                 self._admit(job, free)
             self._admitting.pop(0)
         self._release_cancelled()
@@ -159,6 +161,7 @@ class Scheduler:
             gone = [slot for slot, job in self._running.items() if job.cancelled]
             for slot in gone:
                 del self._running[slot]
+                self.metrics.finished.labels("cancelled").inc()
         if gone:
             self.slots.release(gone)
 
@@ -188,6 +191,7 @@ class Scheduler:
     def _deliver(self, job: Job, ids: list[int], engine_done: bool) -> bool:
         """Sends a job its new tokens; True when it has ended (an eos or stop id, the budget, a cancel)."""
         if job.cancelled:
+            self.metrics.finished.labels("cancelled").inc()
             return True
         stop = next((i for i, t in enumerate(ids) if t in self.stop_ids or t in job.stop_ids), None)
         kept = ids if stop is None else ids[:stop]

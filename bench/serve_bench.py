@@ -5,14 +5,16 @@ in one run on this machine: for C concurrent clients (1, 4, 16 by default) the s
 every prompt from C client threads (streaming, so the time to the first token is seen), and
 `SpeculativeDecoder.generate` decodes them in static batches of C (a batch's tokens all arrive
 when its slowest row ends: its first token comes with the last). One server of --max-batch slots
-serves every C. Reported: tokens/s over the whole set, p50 / p95 of the time to first token and of
-the per-token latency (a request's decode time after its first token over its tokens after the
-first). Prompts are MT-Bench questions of at most --max-prompt-tokens tokens (one prompt bucket, so
-the server compiles it at start; static generate runs each pass once untimed first, to compile).
+serves every C. Each side runs --repeats passes, interleaved with the other's (the machine's load
+comes and goes). Reported: tokens/s over the whole set (the median pass), p50 / p95 of the time
+to first token and of the per-token latency (a request's decode time after its first token over
+its tokens after the first). Prompts are MT-Bench questions of at most --max-prompt-tokens tokens (one prompt bucket,
+which the server compiles at start; static generate is compiled, untimed, on batches of the
+shortest and of the longest prompt first).
 
     python bench/serve_bench.py [--target gemma3-270m] [--drafter DIR] [--clients 1,4,16] \
         [--prompts 16] [--max-new-tokens 32] [--max-batch 16] [--max-len 256] [--k 3] \
-        [--json bench/results/serve_bench.json]
+        [--repeats 3] [--rounds-per-step 1] [--json bench/results/serve_bench.json]
 
 Without --drafter a random P-EAGLE head is built (it accepts almost nothing: the numbers are the
 serving machinery's cost, not a head's speedup).
@@ -128,11 +130,14 @@ def run_static(decoder, prompts, batch: int, max_tokens: int) -> tuple[list[dict
     return results, time.perf_counter() - start
 
 
-def summary(results: list[dict], seconds: float) -> dict:
+def summary(passes: list[tuple[list[dict], float]]) -> dict:
+    """Tokens/s: the median over the passes; latencies: percentiles over every request of them."""
+    results = [r for rs, _ in passes for r in rs]
     ttft = [r["ttft"] for r in results]
     per_token = [r["decode"] / max(r["tokens"] - (0 if r.get("whole") else 1), 1) for r in results]
     return {
-        "tokens_per_s": sum(r["tokens"] for r in results) / seconds,
+        "tokens_per_s": float(np.median([sum(r["tokens"] for r in rs) / seconds for rs, seconds in passes])),
+        "passes_tokens_per_s": [sum(r["tokens"] for r in rs) / seconds for rs, seconds in passes],
         "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
         "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)),
         "per_token_p50_ms": 1e3 * float(np.percentile(per_token, 50)),
@@ -151,6 +156,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--rounds-per-step", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="passes of each side, interleaved (tokens/s: the median)")
     p.add_argument(
         "--max-prompt-tokens", type=int, default=64, help="longer prompts are left out (one prompt bucket: one compile)"
     )
@@ -169,6 +175,7 @@ def main(argv=None) -> int:
     longest = min(args.max_prompt_tokens, args.max_len - args.max_new_tokens - 2 * args.k - 2)
     prompts = [c for c in load_prompts("mtbench") if len(encode_prompt(target.tokenizer, c)) <= longest]
     prompts = prompts[: args.prompts]
+    lengths = {id(c): len(encode_prompt(target.tokenizer, c)) for c in prompts}
 
     rows, raw = [], {}
     port = free_port()
@@ -177,9 +184,13 @@ def main(argv=None) -> int:
     try:
         run_clients(port, prompts[:1], 1, args.max_new_tokens)  # the server compiled at start; this warms it
         for c in clients:
-            served = summary(*run_clients(port, prompts, c, args.max_new_tokens))
-            run_static(decoder, prompts, c, args.max_new_tokens)  # compiles (untimed) every shape of the pass
-            static = summary(*run_static(decoder, prompts, c, args.max_new_tokens))
+            for extreme in (min, max):  # compiles (untimed) the cache buckets of the shortest and longest prompts
+                run_static(decoder, [extreme(prompts, key=lambda c: lengths[id(c)])] * c, c, args.max_new_tokens)
+            served, static = [], []
+            for _ in range(args.repeats):  # interleaved: a load that comes and goes hits both sides
+                served.append(run_clients(port, prompts, c, args.max_new_tokens))
+                static.append(run_static(decoder, prompts, c, args.max_new_tokens))
+            served, static = summary(served), summary(static)
             raw[c] = {"server": served, "static": static}
             print(f"C={c}: server {served}\n      static {static}", flush=True)
             rows.append(row(c, served, static))
@@ -225,7 +236,7 @@ def write(args, rows, raw) -> None:
         "order": 60,
         "setup": f"{args.target}, float32, K={args.k}, a random P-EAGLE head (acceptance near 1), "
         f"{args.prompts} MT-Bench prompts, greedy, {args.max_new_tokens} "
-        f"new tokens each; one server of --max-batch {args.max_batch} x --max-len {args.max_len} "
+        f"new tokens each, {args.repeats} passes a side interleaved (tokens/s: the median pass); one server of --max-batch {args.max_batch} x --max-len {args.max_len} "
         f"(--rounds-per-step {args.rounds_per_step}) for every "
         f"client count; static: generate in batches of C.",
         "command": f"python bench/serve_bench.py {argv}".strip(),

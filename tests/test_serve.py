@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import hf_tiny
 import numpy as np
 import pytest
+from in_process import run_module
 from serve_support import ServerProcess, request, shown, sse_events, words_to_ids
 
 import peagle_jax as pj
@@ -318,6 +319,20 @@ def test_load_run_200_requests_32_clients_ends_with_no_slot_in_use(server, promp
     print(
         f"load run: {served} served + {200 - served} hung up, 0 wrong, {tokens} tokens in {seconds:.1f}s, 0 slots in use"
     )
+
+
+# ---------------------------------------------------------------- the command line
+
+
+@pytest.mark.filterwarnings("ignore:k=40 exceeds the drafter's trained depth")
+def test_usage_errors_are_one_line_and_exit_2(assets):
+    root, _ = assets
+    res = run_module("infer", ["serve", "--target", root / "target"])
+    assert res.returncode == 2 and "--drafter" in res.stderr
+    argv = ["serve", "--target", root / "target", "--drafter", root / "drafter", "--k", 40, "--deep-k", "warn"]
+    res = run_module("infer", [*argv, "--max-len", 64])
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and last.startswith("error: --max-len 64"), res.stderr
 
 
 # ---------------------------------------------------------------- a full queue and a stop

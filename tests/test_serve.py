@@ -325,7 +325,7 @@ def test_load_run_200_requests_32_clients_ends_with_no_slot_in_use(server, promp
 
 
 @pytest.mark.filterwarnings("ignore:k=40 exceeds the drafter's trained depth")
-def test_usage_errors_are_one_line_and_exit_2(assets):
+def test_bad_flags_and_folders_are_one_line(assets, tmp_path):
     root, _ = assets
     res = run_module("infer", ["serve", "--target", root / "target"])
     assert res.returncode == 2 and "--drafter" in res.stderr
@@ -333,6 +333,10 @@ def test_usage_errors_are_one_line_and_exit_2(assets):
     res = run_module("infer", [*argv, "--max-len", 64])
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and last.startswith("error: --max-len 64"), res.stderr
+    hf_tiny.build("llama-gqa2-tied-llama3", tmp_path / "bare")  # no tokenizer files
+    res = run_module("infer", ["serve", "--target", tmp_path / "bare", "--drafter", root / "drafter"])
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and last.endswith("serving needs the target's tokenizer files beside its weights")
 
 
 # ---------------------------------------------------------------- a full queue and a stop

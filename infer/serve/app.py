@@ -33,7 +33,8 @@ RETRY_AFTER_S = "1"
 
 @dataclasses.dataclass
 class Served:
-    """What the handlers need: the scheduler and what the prompts are checked against."""
+    """What the handlers need: the scheduler and what the prompts are checked against (the
+    tokenizer is never None: the server refuses a target without one)."""
 
     scheduler: object
     tokenizer: object
@@ -137,16 +138,10 @@ def _check_model(served: Served, body) -> None:
         )
 
 
-def _need_tokenizer(served: Served, what: str) -> None:
-    if served.tokenizer is None:
-        raise ApiError(400, f"{what} needs a target with a tokenizer; send the prompt as token ids", "prompt")
-
-
 def _completion_ids(served: Served, body) -> list[int]:
     if isinstance(body.prompt, str):
         if not body.prompt:
             raise ApiError(400, "prompt: the prompt is empty", "prompt")
-        _need_tokenizer(served, "a text prompt")
         return [int(t) for t in served.tokenizer(body.prompt)["input_ids"]]
     if not body.prompt:
         raise ApiError(400, "prompt: the list of token ids is empty", "prompt")
@@ -156,7 +151,6 @@ def _completion_ids(served: Served, body) -> list[int]:
 
 def _chat_ids(served: Served, body) -> list[int]:
     conversation = body.conversation()
-    _need_tokenizer(served, "a chat request")
     try:
         return chat.encode_prompt(served.tokenizer, conversation)
     except Exception as err:  # noqa: BLE001 - a template's refusal (e.g. roles out of order) is the client's

@@ -35,6 +35,8 @@ def build(args):
     t0 = time.perf_counter()
     status(f"loading target {args.target} ...")
     target = pj.load_target(resolve(args.target, "target"), dtype=None if args.dtype == "auto" else args.dtype)
+    if target.tokenizer is None:  # responses are text: every request is detokenized
+        raise ValueError(f"{args.target}: serving needs the target's tokenizer files beside its weights")
     drafter = None if args.mode == "none" else pj.load_drafter(args.drafter)
     mode = args.mode or drafter.config.mode
     decoder = SpeculativeDecoder(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k)

@@ -1,4 +1,4 @@
-"""`python -m infer generate|bench|cost`: speculative decoding from the command line.
+"""`python -m infer generate|bench|cost|serve`: speculative decoding from the command line.
 
 Exit status: 0 ok, 1 the work failed (a folder, file or value the command could not use),
 2 a usage error. Errors are one line on stderr; progress lines go to stderr, results to stdout.
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from infer.load import load_head, load_target, new_head_layers, status, synthetic_lengths, target_config
+from infer.serve.cli import add_serve_args, run_serve
 from peagle_jax.cli import (
     DefaultsFormatter,
     OneLineParser,
@@ -142,6 +143,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     bench.add_argument("--batch-size", type=positive_int, default=1, help="prompts decoded together")
     bench.add_argument("--json", dest="json_out", metavar="FILE", help="write all results to this file")
     _cost_parser(sub)
+    serve = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible server (continuous batching)",
+        formatter_class=Formatter,
+        description="Serve /v1/completions and /v1/chat/completions (streaming or not), /v1/models, /health "
+        "and /metrics, decoding up to --max-batch requests together.",
+    )
+    add_serve_args(serve)
     args = parser.parse_args(argv)
     if args.command == "cost":
         return _check_cost(parser, args)
@@ -165,7 +174,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--prompts {args.prompts!r}: neither mtbench, humaneval, an existing JSONL file nor synthetic:LENGTHS "
             "(positive integers, comma separated)"
         )
-    if args.command in ("generate", "bench"):
+    if args.command in ("generate", "bench", "serve"):
         _check_paths(parser, args)
     return args
 
@@ -385,6 +394,8 @@ def _dispatch(args) -> int:
 
         cost.run(args)
         return 0
+    if args.command == "serve":
+        return run_serve(args)
     if args.command == "generate":
         run_generate(args)
         return 0

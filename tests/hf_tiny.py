@@ -181,3 +181,16 @@ def edit_config(folder: str | Path, fn) -> None:
     cfg = json.loads(path.read_text())
     fn(cfg)
     path.write_text(json.dumps(cfg))
+
+
+def word_tokenizer(folder) -> None:
+    """A word-level tokenizer over w0..w{V-1} with a chat template, saved beside the model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
+    fast.chat_template = "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}w4"
+    fast.save_pretrained(str(folder))

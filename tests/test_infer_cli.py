@@ -16,24 +16,11 @@ from infer.__main__ import main
 from peagle_jax.engine import largest_k
 
 
-def _word_tokenizer(folder) -> None:
-    """A word-level tokenizer over w0..w{V-1} with a chat template, saved beside the model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(hf_tiny.VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0")
-    fast.chat_template = "{% for m in messages %}w2 {{ m['content'] }} w3 {% endfor %}w4"
-    fast.save_pretrained(str(folder))
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
     hf_tiny.build("llama-gqa2-tied-llama3", root / "target")
-    _word_tokenizer(root / "target")
+    hf_tiny.word_tokenizer(root / "target")
     target = pj.load_target(root / "target", dtype="float32")
     pj.new_drafter(target, num_layers=1, mode="parallel", seed=1).save(root / "drafter")
     return root, target

@@ -2,9 +2,9 @@
 
 One jitted round (the target verifies K drafts, acceptance, the drafter's next pass) and the
 device loop around it (`speculative`), the KV caches and their length rule (`cache`),
-generation on top of them (`SpeculativeDecoder`, `generate_greedy`), and the evaluation prompt
-sets (`load_prompts`). It reads heads and targets as handles; it never reads a checkpoint
-format (`peagle_jax.formats`).
+generation on top of them (`SpeculativeDecoder`, `generate_greedy`), decode slots for
+continuous batching (`Slots`), and the evaluation prompt sets (`load_prompts`). It reads heads
+and targets as handles; it never reads a checkpoint format (`peagle_jax.formats`).
 """
 
 from peagle_jax.engine import cache, speculative
@@ -20,11 +20,13 @@ from peagle_jax.engine.generation import (
     prompt_tokens,
 )
 from peagle_jax.engine.prompts import PROMPT_SETS, load_prompts, prompt_ids
+from peagle_jax.engine.slots import Slots
 
 __all__ = [
     "PROMPT_SETS",
     "DepthError",
     "GenerationResult",
+    "Slots",
     "SpeculativeDecoder",
     "acceptance_stats",
     "cache",

@@ -298,7 +298,9 @@ class SpeculativeDecoder:
         prompt, lens = _rows_on_mesh(getattr(self.target, "mesh", None), prompt, lens)
         return ids, prompt, lens, cache_len
 
-    def _engine(self, temperature: float, top_p: float, stop_token_ids) -> sp.EngineConfig:
+    def engine_config(self, temperature: float = 0.0, top_p: float = 1.0, stop_token_ids=None) -> sp.EngineConfig:
+        """The engine's static settings: this decoder's K, mode and aux ids, the sampling of a
+        call, and the stop ids (the eos ids, plus `stop_token_ids`)."""
         stops = self.eos_ids
         if stop_token_ids is not None:
             extra = _token_ids(stop_token_ids, "stop_token_ids")
@@ -313,6 +315,16 @@ class SpeculativeDecoder:
             top_p=top_p,
             mesh=getattr(self.target, "mesh", None),
         )
+
+    def cache_specs(self, batch: int, cache_len: int) -> tuple:
+        """(target, drafter) cache specs (`peagle_jax.engine.cache.spec`) of `batch` rows of
+        `cache_len` positions, in the parameters' dtypes; the drafter's is None in mode "none"."""
+        _, tstate, _, dstate = self.modules()
+        tspec = kv.spec(self.target.config, batch, cache_len, _param_dtype(tstate))
+        if self.mode == "none":
+            return tspec, None
+        dlen = kv.drafter_length(self.drafter.config, cache_len, self.k)
+        return tspec, kv.spec(self.drafter.config, batch, dlen, _param_dtype(dstate))
 
     def modules(self) -> tuple:
         """(target graphdef, target state, drafter graphdef, drafter state): the engine's
@@ -341,15 +353,9 @@ class SpeculativeDecoder:
         temperature, top_p = check_sampling(temperature, top_p)
         seed = check_seed(seed)
         ids, prompt, lens, cache_len = self._batch(prompts, max_new_tokens)
-        cfg = self._engine(temperature, top_p, stop_token_ids)
+        cfg = self.engine_config(temperature, top_p, stop_token_ids)
         tdef, tstate, ddef, dstate = self.modules()
-        b = prompt.shape[0]
-        tspec = kv.spec(self.target.config, b, cache_len, _param_dtype(tstate))
-        if self.mode == "none":
-            dspec = None
-        else:
-            dlen = kv.drafter_length(self.drafter.config, cache_len, cfg.k)
-            dspec = kv.spec(self.drafter.config, b, dlen, _param_dtype(dstate))
+        tspec, dspec = self.cache_specs(prompt.shape[0], cache_len)
         budget = jnp.full(lens.shape, max_new_tokens, jnp.int32)
         state = sp.jit_prefill(
             cfg, tdef, tstate, ddef, dstate, prompt, lens, budget, tspec, dspec, jax.random.key(seed)

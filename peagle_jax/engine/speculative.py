@@ -57,6 +57,20 @@ class EngineConfig:
         return self.temperature == 0.0
 
 
+class RowSampling(NamedTuple):
+    """Sampling settings of each row, traced (rows of one batch may differ, no recompile per
+    value), and each row's own key: a row's draws never depend on the other rows."""
+
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_p: jax.Array  # [B] f32 in (0, 1]
+    key: jax.Array  # [B] typed PRNG keys
+
+
+# DecodeState fields indexed by row (the others, key and accept_hist, belong to the whole batch)
+ROW_FIELDS = ("target_cache", "drafter_cache", "length", "last", "drafts", "done", "out", "out_len", "budget")
+ROW_FIELDS += ("rounds", "sampling")
+
+
 class DecodeState(NamedTuple):
     target_cache: tuple
     drafter_cache: tuple | None
@@ -70,20 +84,22 @@ class DecodeState(NamedTuple):
     key: jax.Array
     rounds: jax.Array  # [B] verification rounds each row took part in
     accept_hist: jax.Array  # [K + 1] how many active rounds accepted n drafts, summed over rows
+    sampling: RowSampling | None = None  # per-row sampling (a server's slots); None: the EngineConfig's
 
 
 # ---------------------------------------------------------------- sampling and acceptance
 
 
 def warp_probs(logits: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """Target sampling distribution: temperature, then nucleus (top-p) filtering."""
+    """Target sampling distribution: temperature, then nucleus (top-p) filtering.
+    temperature and top_p: numbers, or arrays broadcasting against logits' [..., 1]."""
     probs = jax.nn.softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    if top_p >= 1.0:
+    if isinstance(top_p, (int, float)) and top_p >= 1.0:
         return probs
     sorted_p = -jnp.sort(-probs, axis=-1)
     # keep a token if the mass strictly before it is below top_p (the top token always stays);
-    # ties at the cut-off are all kept, identically in every mode
-    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p
+    # ties at the cut-off are all kept, identically in every mode; top_p = 1 keeps every token
+    keep_sorted = ((jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p) | (top_p >= 1.0)
     cutoff = jnp.min(jnp.where(keep_sorted, sorted_p, jnp.inf), axis=-1, keepdims=True)
     filtered = jnp.where(probs >= cutoff, probs, 0.0)
     return filtered / jnp.sum(filtered, axis=-1, keepdims=True)
@@ -126,6 +142,50 @@ def accept_rejection(
     pick = jnp.where(mass > 0, pick / jnp.where(mass > 0, mass, 1.0), fallback)
     bonus = jax.random.categorical(key_s, jnp.log(pick), axis=-1).astype(jnp.int32)
     return n, bonus
+
+
+def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's key split in two: (the row's next key [B], a key to draw with now [B])."""
+    pairs = jax.vmap(jax.random.split)(keys)
+    return pairs[:, 0], pairs[:, 1]
+
+
+def _rows_probs(logits: jax.Array, s: RowSampling) -> jax.Array:
+    """`warp_probs` per row; greedy rows get temperature 1 (their draws are not used)."""
+    shape = (-1,) + (1,) * (logits.ndim - 1)
+    temperature = jnp.where(s.temperature > 0, s.temperature, 1.0).reshape(shape)
+    return warp_probs(logits, temperature, s.top_p.reshape(shape))
+
+
+def accept_rows(logits: jax.Array, drafts: jax.Array, s: RowSampling) -> tuple[jax.Array, jax.Array, RowSampling]:
+    """Acceptance with per-row sampling: greedy rows (temperature 0) by `accept_greedy`, the
+    others by `accept_rejection` with each row's own key. The sampled path runs only when some
+    row samples. Returns (n [B], bonus [B], the rows' next sampling state)."""
+    n_greedy, bonus_greedy = accept_greedy(logits, drafts)
+    keys, draw = _split_rows(s.key)
+
+    def sampled(_):
+        probs = _rows_probs(logits, s)
+        row = jax.vmap(lambda p, d, k: accept_rejection(p[None], d[None], None, k))
+        n, bonus = row(probs, drafts, draw)
+        return n[:, 0], bonus[:, 0]
+
+    n, bonus = jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: (n_greedy, bonus_greedy), None)
+    greedy = s.temperature == 0
+    return jnp.where(greedy, n_greedy, n), jnp.where(greedy, bonus_greedy, bonus), s._replace(key=keys)
+
+
+def pick_rows(logits: jax.Array, s: RowSampling) -> tuple[jax.Array, RowSampling]:
+    """One token per row of logits [B, V] under per-row sampling, and the rows' next state."""
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    keys, draw = _split_rows(s.key)
+
+    def sampled(_):
+        probs = _rows_probs(logits, s)
+        return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(draw, probs).astype(jnp.int32)
+
+    ids = jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: greedy_ids, None)
+    return jnp.where(s.temperature == 0, greedy_ids, ids), s._replace(key=keys)
 
 
 # ---------------------------------------------------------------- drafting
@@ -220,11 +280,14 @@ def _pick_token(cfg: EngineConfig, logits: jax.Array, key: jax.Array) -> jax.Arr
     return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
 
 
-def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, target_cache, drafter_cache, key):
+def prefill(
+    cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, target_cache, drafter_cache, key, sampling=None
+):
     """Target prefill, its next token, and the first drafts.
 
     prompt [B, P] right-padded; prompt_len [B], 0 for a batch-padding row (done at once);
-    budget [B] new tokens allowed per row. Returns a DecodeState whose `out` holds the first token.
+    budget [B] new tokens allowed per row; sampling: per-row settings (RowSampling) instead of
+    the config's. Returns a DecodeState whose `out` holds the first token.
     """
     b, p = prompt.shape
     idx = jnp.arange(p)[None, :]
@@ -232,7 +295,10 @@ def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, targ
     last_slot = jnp.maximum(prompt_len - 1, 0)
     out = target(prompt, positions, target_cache, aux_layer_ids=cfg.aux_layer_ids, logits_at=last_slot[:, None])
     key, sub = jax.random.split(key)
-    first = _pick_token(cfg, out.logits[:, 0], sub)
+    if sampling is None:
+        first = _pick_token(cfg, out.logits[:, 0], sub)
+    else:
+        first, sampling = pick_rows(out.logits[:, 0], sampling)
     drafts = jnp.zeros((b, cfg.k), jnp.int32)
     if cfg.mode != "none":
         # slot j holds token x[j+1] with aux of position j; the last real slot holds `first`
@@ -252,6 +318,7 @@ def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, targ
         key=key,
         rounds=jnp.zeros((b,), jnp.int32),
         accept_hist=jnp.zeros((cfg.k + 1,), jnp.int32),
+        sampling=sampling,
     )
     return _finish(cfg, state, first[:, None], (prompt_len > 0)[:, None])
 
@@ -280,7 +347,10 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
     tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
     out = target(tokens, positions, state.target_cache, aux_layer_ids=cfg.aux_layer_ids)
     key, sub = jax.random.split(state.key)
-    if cfg.greedy:
+    sampling = state.sampling
+    if sampling is not None:
+        n, bonus, sampling = accept_rows(out.logits, state.drafts, sampling)
+    elif cfg.greedy:
         n, bonus = accept_greedy(out.logits, state.drafts)
     else:
         probs = warp_probs(out.logits, cfg.temperature, cfg.top_p)
@@ -311,6 +381,7 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
         key=key,
         rounds=state.rounds + active.astype(jnp.int32),
         accept_hist=hist,
+        sampling=sampling,
     )
     return _finish(cfg, new, emitted, valid)
 
@@ -318,6 +389,22 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
 def generate_loop(cfg: EngineConfig, target, drafter, state: DecodeState) -> DecodeState:
     """Rounds until every row is done (a device-side while loop: no host sync per round)."""
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: decode_round(cfg, target, drafter, s), state)
+
+
+def rounds_until_a_row_ends(cfg: EngineConfig, target, drafter, state: DecodeState, max_rounds: int) -> DecodeState:
+    """Up to `max_rounds` rounds in one device loop, ending after the first round in which a row
+    finished (a server frees its slot at once) or when no row is left running."""
+    started_done = state.done
+
+    def going(carry):
+        i, s = carry
+        return (i < max_rounds) & ~jnp.any(s.done & ~started_done) & ~jnp.all(s.done)
+
+    def one(carry):
+        i, s = carry
+        return i + 1, decode_round(cfg, target, drafter, s)
+
+    return jax.lax.while_loop(going, one, (jnp.int32(0), state))[1]
 
 
 # ---------------------------------------------------------------- jitted entry points
@@ -343,6 +430,7 @@ def jit_prefill(
     target_cache_shape,
     drafter_cache_shape,
     key,
+    sampling=None,
 ) -> DecodeState:
     """Allocates both caches (`peagle_jax.engine.cache` specs) and runs `prefill`."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
@@ -357,6 +445,7 @@ def jit_prefill(
             kv.allocate(target_cache_shape),
             kv.allocate(drafter_cache_shape),
             key,
+            sampling,
         )
 
 
@@ -373,6 +462,35 @@ def jit_round(cfg, target_def, target_state, drafter_def, drafter_state, state) 
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     with kernels_partitioned(cfg.mesh):
         return decode_round(cfg, target, drafter, state)
+
+
+def first_rows(state: DecodeState, rows: int) -> DecodeState:
+    """The state of the first `rows` rows (the batch-wide fields as they are)."""
+    return state._replace(**{f: jax.tree.map(lambda x: x[:rows], getattr(state, f)) for f in ROW_FIELDS})
+
+
+def with_first_rows(state: DecodeState, part: DecodeState) -> DecodeState:
+    """`state` with its first rows replaced by `part`'s (and `part`'s batch-wide fields)."""
+
+    def put(whole, head):
+        return jax.lax.dynamic_update_slice_in_dim(whole, head.astype(whole.dtype), 0, axis=0)
+
+    rows = {f: jax.tree.map(put, getattr(state, f), getattr(part, f)) for f in ROW_FIELDS}
+    return part._replace(**rows)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 3, 6, 7), donate_argnums=(5,))
+def jit_rounds(
+    cfg, target_def, target_state, drafter_def, drafter_state, state, max_rounds: int, rows: int | None = None
+) -> DecodeState:
+    """`rounds_until_a_row_ends` (several rounds a host call: a server's step) over the first
+    `rows` rows only (None: all), when the others are free: a round costs what its rows need."""
+    target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
+    with kernels_partitioned(cfg.mesh):
+        if rows is None or rows == state.done.shape[0]:
+            return rounds_until_a_row_ends(cfg, target, drafter, state, max_rounds)
+        part = rounds_until_a_row_ends(cfg, target, drafter, first_rows(state, rows), max_rounds)
+        return with_first_rows(state, part)
 
 
 def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state, platform: str):

@@ -1,0 +1,257 @@
+"""The server (`python -m infer serve`, continuous batching) against static batched `generate`.
+
+The same prompts (MT-Bench questions, greedy, the same K and head) go through both, side by side
+in one run on this machine: for C concurrent clients (1, 4, 16 by default) the server receives
+every prompt from C client threads (streaming, so the time to the first token is seen), and
+`SpeculativeDecoder.generate` decodes them in static batches of C (a batch's tokens all arrive
+when its slowest row ends: its first token comes with the last). One server of --max-batch slots
+serves every C. Each side runs --repeats passes, interleaved with the other's (the machine's load
+comes and goes). Reported: tokens/s over the whole set (the median pass), p50 / p95 of the time
+to first token and of the per-token latency (a request's decode time after its first token over
+its tokens after the first). Prompts are MT-Bench questions of at most --max-prompt-tokens tokens (one prompt bucket,
+which the server compiles at start; static generate is compiled, untimed, on batches of the
+shortest and of the longest prompt first).
+
+    python bench/serve_bench.py [--target gemma3-270m] [--drafter DIR] [--clients 1,4,16] \
+        [--prompts 16] [--max-new-tokens 32] [--max-batch 16] [--max-len 256] [--k 3] \
+        [--repeats 3] [--rounds-per-step 1] [--json bench/results/serve_bench.json]
+
+Without --drafter a random P-EAGLE head is built (it accepts almost nothing: the numbers are the
+serving machinery's cost, not a head's speedup).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import http.client
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import peagle_jax as pj
+from infer import SpeculativeDecoder
+from peagle_jax.assets import prepare
+from peagle_jax.chat import encode_prompt
+from peagle_jax.engine import load_prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, target: str, drafter: str, port: int, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "infer", "serve", "--target", target, "--drafter", drafter, "--k", str(args.k)]
+    cmd += ["--max-batch", str(args.max_batch), "--max-len", str(args.max_len), "--port", str(port)]
+    cmd += ["--served-model-name", "bench", "--max-queue", str(4 * args.prompts)]
+    cmd += ["--rounds-per-step", str(args.rounds_per_step)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
+    while True:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with {proc.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return proc
+        except OSError:
+            time.sleep(0.5)
+
+
+def stream_one(port: int, conversation, max_tokens: int) -> dict:
+    """One streaming chat request: its arrival-relative first and last token times and its tokens."""
+    body = {"model": "bench", "messages": conversation, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    sent = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    first = last = None
+    tokens = 0
+    for line in resp:
+        if not line.startswith(b"data: {"):
+            continue
+        event = json.loads(line[6:])
+        now = time.perf_counter()
+        if event["choices"] and event["choices"][0]["delta"].get("content"):
+            first = first or now
+            last = now
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    conn.close()
+    return {"ttft": first - sent, "decode": last - first, "tokens": tokens}
+
+
+def run_clients(port: int, prompts, clients: int, max_tokens: int) -> tuple[list[dict], float]:
+    """Every prompt once, from `clients` threads taking the next prompt as they finish one."""
+    todo, results, lock = list(range(len(prompts))), [], threading.Lock()
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
+            res = stream_one(port, prompts[i], max_tokens)
+            with lock:
+                results.append(res)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - start
+
+
+def run_static(decoder, prompts, batch: int, max_tokens: int) -> tuple[list[dict], float]:
+    results, start = [], time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        res = decoder.generate(prompts[i : i + batch], max_new_tokens=max_tokens)
+        took = time.perf_counter() - t0
+        for row in res.tokens:  # every token of a static batch arrives when the batch ends
+            results.append({"ttft": took, "decode": took, "tokens": len(row), "whole": True})
+    return results, time.perf_counter() - start
+
+
+def summary(passes: list[tuple[list[dict], float]]) -> dict:
+    """Tokens/s: the median over the passes; latencies: percentiles over every request of them."""
+    results = [r for rs, _ in passes for r in rs]
+    ttft = [r["ttft"] for r in results]
+    per_token = [r["decode"] / max(r["tokens"] - (0 if r.get("whole") else 1), 1) for r in results]
+    return {
+        "tokens_per_s": float(np.median([sum(r["tokens"] for r in rs) / seconds for rs, seconds in passes])),
+        "passes_tokens_per_s": [sum(r["tokens"] for r in rs) / seconds for rs, seconds in passes],
+        "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
+        "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)),
+        "per_token_p50_ms": 1e3 * float(np.percentile(per_token, 50)),
+        "per_token_p95_ms": 1e3 * float(np.percentile(per_token, 95)),
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default="gemma3-270m", help="a HF folder, or gemma3-270m (the prepared asset)")
+    p.add_argument("--drafter", help="a head folder (default: a random P-EAGLE head)")
+    p.add_argument("--clients", default="1,4,16")
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--rounds-per-step", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3, help="passes of each side, interleaved (tokens/s: the median)")
+    p.add_argument(
+        "--max-prompt-tokens", type=int, default=64, help="longer prompts are left out (one prompt bucket: one compile)"
+    )
+    p.add_argument("--json", default=str(ROOT / "bench" / "results" / "serve_bench.json"))
+    args = p.parse_args(argv)
+    clients = [int(c) for c in args.clients.split(",")]
+    folder = str(prepare(args.target)) if args.target == "gemma3-270m" else args.target
+    target = pj.load_target(folder, dtype="float32")
+    tmp = tempfile.TemporaryDirectory()
+    drafter_dir = args.drafter
+    if drafter_dir is None:
+        drafter_dir = os.path.join(tmp.name, "head")
+        small_vocab = np.arange(min(32768, target.config.vocab_size))
+        pj.new_drafter(target, num_layers=1, mode="parallel", seed=0, draft_vocab=small_vocab).save(drafter_dir)
+    decoder = SpeculativeDecoder(target, pj.load_drafter(drafter_dir), k=args.k, mode="parallel")
+    longest = min(args.max_prompt_tokens, args.max_len - args.max_new_tokens - 2 * args.k - 2)
+    prompts = [c for c in load_prompts("mtbench") if len(encode_prompt(target.tokenizer, c)) <= longest]
+    prompts = prompts[: args.prompts]
+    lengths = {id(c): len(encode_prompt(target.tokenizer, c)) for c in prompts}
+
+    rows, raw = [], {}
+    port = free_port()
+    log = open(os.path.join(tmp.name, "server.log"), "wb")
+    server = start_server(args, folder, drafter_dir, port, log)
+    try:
+        run_clients(port, prompts[:1], 1, args.max_new_tokens)  # the server compiled at start; this warms it
+        for c in clients:
+            for extreme in (min, max):  # compiles (untimed) the cache buckets of the shortest and longest prompts
+                run_static(decoder, [extreme(prompts, key=lambda c: lengths[id(c)])] * c, c, args.max_new_tokens)
+            served, static = [], []
+            for _ in range(args.repeats):  # interleaved: a load that comes and goes hits both sides
+                served.append(run_clients(port, prompts, c, args.max_new_tokens))
+                static.append(run_static(decoder, prompts, c, args.max_new_tokens))
+            served, static = summary(served), summary(static)
+            raw[c] = {"server": served, "static": static}
+            print(f"C={c}: server {served}\n      static {static}", flush=True)
+            rows.append(row(c, served, static))
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(60)
+    write(args, rows, raw)
+    return 0
+
+
+def row(c: int, served: dict, static: dict) -> list:
+    f = "{:.1f}".format
+    return [
+        c,
+        f(served["tokens_per_s"]),
+        f(static["tokens_per_s"]),
+        f"{served['tokens_per_s'] / static['tokens_per_s']:.2f}x",
+        f"{f(served['ttft_p50_ms'])} / {f(served['ttft_p95_ms'])}",
+        f"{f(static['ttft_p50_ms'])} / {f(static['ttft_p95_ms'])}",
+        f"{f(served['per_token_p50_ms'])} / {f(served['per_token_p95_ms'])}",
+        f"{f(static['per_token_p50_ms'])} / {f(static['per_token_p95_ms'])}",
+    ]
+
+
+def write(args, rows, raw) -> None:
+    columns = [
+        "clients",
+        "server tok/s",
+        "static tok/s",
+        "server / static",
+        "server TTFT p50 / p95 (ms)",
+        "static TTFT p50 / p95 (ms)",
+        "server per-token p50 / p95 (ms)",
+        "static per-token p50 / p95 (ms)",
+    ]
+    print("| " + " | ".join(columns) + " |")
+    for r in rows:
+        print("| " + " | ".join(map(str, r)) + " |")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    argv = " ".join(sys.argv[1:])
+    data = {
+        "title": "Serving: continuous batching (python -m infer serve) vs static batched generate",
+        "order": 60,
+        "setup": f"{args.target}, float32, K={args.k}, a random P-EAGLE head (acceptance near 1), "
+        f"{args.prompts} MT-Bench prompts, greedy, {args.max_new_tokens} "
+        f"new tokens each, {args.repeats} passes a side interleaved (tokens/s: the median pass); one server of --max-batch {args.max_batch} x --max-len {args.max_len} "
+        f"(--rounds-per-step {args.rounds_per_step}) for every "
+        f"client count; static: generate in batches of C.",
+        "command": f"python bench/serve_bench.py {argv}".strip(),
+        "hardware": f"{platform.machine()}, {os.cpu_count()} cores, no accelerator; shared with other jobs",
+        "jax": jax.__version__,
+        "commit": commit.stdout.strip(),
+        "date": datetime.date.today().isoformat(),
+        "columns": columns,
+        "rows": rows,
+        "notes": "",
+        "raw": raw,
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(data, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,213 @@
+"""The device loop: requests in, tokens out (continuous batching over `peagle_jax.engine.slots`).
+
+One thread owns the device. Between steps (one round, or a few: `--rounds-per-step`) it admits waiting requests into free slots (each
+prefilled alone, then inserted), releases the slots of cancelled ones, runs one round over every
+slot, and hands each request the tokens it gained. A request leaves its slot the round it ends:
+an eos id or stop token id, its token budget, or a cancel (a stop string seen by the HTTP side,
+a client gone). The HTTP side only submits, cancels and reads events (`Job.emit`).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("infer.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+    ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    reason: str  # "stop" (an eos id or stop token id), "length", "abort" (shutdown); metrics also count "cancelled"
+    completion_tokens: int  # generated, the stop token included
+
+
+@dataclasses.dataclass(eq=False)
+class Job:
+    ids: list[int]
+    max_tokens: int
+    emit: Callable[[Tokens | Finished], None]  # called from the device thread
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: frozenset[int] = frozenset()
+    arrived: float = dataclasses.field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    generated: int = 0
+
+
+class QueueFull(Exception):
+    """Every slot is busy and the queue is full."""
+
+
+class Closed(Exception):
+    """The server is shutting down."""
+
+
+class Scheduler:
+    def __init__(self, slots, max_queue: int, metrics):
+        self.slots, self.max_queue, self.metrics = slots, int(max_queue), metrics
+        self.stop_ids = frozenset(slots.cfg.eos_ids)
+        self._pending: collections.deque[Job] = collections.deque()
+        self._running: dict[int, Job] = {}
+        self._admitting: list[Job] = []  # taken from the queue, not yet in a slot
+        self._wake = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="device-loop", daemon=True)
+        self.failure: BaseException | None = None
+
+    # ------------------------------------------------------------ the HTTP side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._wake:
+            if self._closing:
+                raise Closed("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFull(f"all {self.slots.batch} slots are busy and {self.max_queue} requests wait")
+            self._pending.append(job)
+            self.metrics.queue.set(len(self._pending))
+            self._wake.notify()
+
+    def cancel(self, job: Job) -> None:
+        """The job's slot is freed before the next round (no event follows)."""
+        with self._wake:
+            job.cancelled = True
+            self._wake.notify()
+
+    def begin_shutdown(self) -> None:
+        """New requests are refused; the loop ends every waiting and running one with
+        Finished("abort") and stops (returns at once: a signal handler calls it)."""
+        with self._wake:
+            self._closing = True
+            self._wake.notify()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """`begin_shutdown`, then waits for the loop to stop."""
+        self.begin_shutdown()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    # ------------------------------------------------------------ the device thread
+
+    def _loop(self) -> None:
+        try:
+            while self._next():
+                pass
+        except BaseException as err:  # a device failure: every request ends, /health says so
+            self.failure = err
+            log.exception("the device loop failed")
+        with self._wake:
+            self._closing = True
+            jobs = self._admitting + list(self._pending) + list(self._running.values())
+            self._admitting = []
+            self._pending.clear()
+            self._running.clear()
+        for job in jobs:
+            self._end(job, "abort")
+        self._gauges()
+
+    def _next(self) -> bool:
+        """One step: admissions, releases, a round. False once closing."""
+        with self._wake:
+            while not (self._closing or self._pending or self._running):
+                self._wake.wait()
+            if self._closing:
+                return False
+            free = [s for s in range(self.slots.batch) if s not in self._running]
+            self._admitting = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
+        while self._admitting:
+            job = self._admitting[0]
+            if job.cancelled:
+                self.metrics.finished.labels("cancelled").inc()
+            else:
+                self._admit(job, free)
+            self._admitting.pop(0)
+        self._release_cancelled()
+        self._gauges()
+        if self._running:
+            self._round()
+            self._gauges()
+        return True
+
+    def _admit(self, job: Job, free: list[int]) -> None:
+        row = self.slots.prefill(job.ids, job.max_tokens, job.temperature, job.top_p, job.seed)
+        tokens, done = self.slots.first_tokens(row)
+        self.metrics.prompt_tokens.inc(len(job.ids))
+        self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+        if self._deliver(job, tokens, done):
+            return
+        slot = free.pop(0)
+        self.slots.insert(row, slot)
+        with self._wake:
+            self._running[slot] = job
+
+    def _release_cancelled(self) -> None:
+        with self._wake:
+            gone = [slot for slot, job in self._running.items() if job.cancelled]
+            for slot in gone:
+                del self._running[slot]
+                self.metrics.finished.labels("cancelled").inc()
+        if gone:
+            self.slots.release(gone)
+
+    def _round(self) -> None:
+        self.slots.round()
+        news = self.slots.tokens()
+        rounds = int(news.rounds.max())
+        self.metrics.rounds.inc(rounds)
+        gained = 0
+        ended = []
+        for slot, job in list(self._running.items()):
+            ids = news.new(slot)
+            gained += len(ids)
+            if news.rounds[slot]:
+                self.metrics.acceptance.observe(len(ids) / news.rounds[slot])
+            if self._deliver(job, ids, bool(news.done[slot])):
+                ended.append(slot)
+        if rounds:
+            self.metrics.per_round.observe(gained / rounds)
+        with self._wake:
+            for slot in ended:
+                self._running.pop(slot, None)
+        stopped_early = [s for s in ended if not news.done[s]]
+        if stopped_early:  # a stop token id the engine does not know: its row still runs
+            self.slots.release(stopped_early)
+
+    def _deliver(self, job: Job, ids: list[int], engine_done: bool) -> bool:
+        """Sends a job its new tokens; True when it has ended (an eos or stop id, the budget, a cancel)."""
+        if job.cancelled:
+            self.metrics.finished.labels("cancelled").inc()
+            return True
+        stop = next((i for i, t in enumerate(ids) if t in self.stop_ids or t in job.stop_ids), None)
+        kept = ids if stop is None else ids[:stop]
+        job.generated += len(ids) if stop is None else stop + 1
+        self.metrics.generated.inc(len(ids) if stop is None else stop + 1)
+        if kept:
+            job.emit(Tokens(kept))
+        if stop is not None or engine_done or job.generated >= job.max_tokens:
+            self._end(job, "stop" if stop is not None else "length")
+            return True
+        return False
+
+    def _end(self, job: Job, reason: str) -> None:
+        self.metrics.finished.labels(reason).inc()
+        job.emit(Finished(reason, job.generated))
+
+    def _gauges(self) -> None:
+        self.metrics.queue.set(len(self._pending))
+        self.metrics.slots.set(len(self._running))

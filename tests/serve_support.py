@@ -1,0 +1,102 @@
+"""A `python -m infer serve` process on 127.0.0.1 for the server tests, and plain HTTP to it.
+
+The process is the real command line (its own interpreter, signals, sockets); it inherits the
+test run's XLA settings and compilation cache (`tests/xla_env.py`)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from limits import HANG_S
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, argv: list[str], log: Path, model: str):
+        self.port, self.model, self.log = free_port(), model, log
+        cmd = [sys.executable, "-m", "infer", "serve", *argv, "--port", str(self.port)]
+        cmd += ["--served-model-name", model]
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=dict(os.environ)
+        )
+        self.wait_ready()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + HANG_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}: {self.stderr()}")
+            try:
+                if request(self, "GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("the server did not come up")
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def metric(self, name: str) -> float:
+        """A metric's value from /metrics (a gauge, or a counter's _total)."""
+        text = request(self, "GET", "/metrics")[2]
+        for line in text.splitlines():
+            if line.split(" ")[0] == name:
+                return float(line.split(" ")[1])
+        raise KeyError(f"{name} not in /metrics")
+
+
+def request(server, method: str, path: str, body=None, headers=None, timeout: float = HANG_S):
+    """(status, headers, text) of one plain HTTP request; a dict body is sent as JSON."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        data = json.dumps(body).encode() if isinstance(body, dict) else body
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, dict(resp.getheaders()), resp.read().decode()
+    finally:
+        conn.close()
+
+
+def sse_events(text: str) -> list:
+    """The JSON events of a server-sent-event body, then "[DONE]" if it came."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def words_to_ids(text: str) -> list[int]:
+    """The tiny word tokenizer's text back to ids ("w5 w17" -> [5, 17])."""
+    return [int(w[1:]) for w in text.split()]
+
+
+def shown(ids: list[int]) -> list[int]:
+    """The ids the word tokenizer's text shows: its unknown token w0 is special, left out of text."""
+    return [t for t in ids if t != 0]

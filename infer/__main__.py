@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from infer.flags import add_model_flags, k_list, mode_list
 from infer.load import load_head, load_target, new_head_layers, status, synthetic_lengths, target_config
 from infer.serve.cli import add_serve_args, run_serve
 from peagle_jax.cli import (
@@ -34,66 +35,12 @@ SEED_MAX = 2**63 - 1  # = peagle_jax.engine.generation.SEED_MAX (jax.random.key'
 seed_int = number_type(int, 0, SEED_MAX, "an integer in [0, 2**63 - 1] (what jax.random.key accepts)")
 
 
-def k_list(text: str) -> list[int]:
-    """An argparse type: "7" or "1,3,5,7" (distinct positive integers, kept in order)."""
-    ks = [positive_int(t) for t in text.replace(" ", "").split(",") if t]
-    if not ks or len(set(ks)) != len(ks):
-        raise argparse.ArgumentTypeError(f"expected positive integers, comma separated, each once, got {text!r}")
-    return ks
-
-
 def _common(p: argparse.ArgumentParser, bench: bool = False) -> None:
-    p.add_argument(
-        "--target",
-        required=True,
-        metavar="DIR",
-        help="Hugging Face folder of the target model, or its Hub id (org/name)",
-    )
-    if bench:
-        p.add_argument(
-            "--drafter",
-            metavar="DIR",
-            action="append",
-            help="drafter checkpoint (ours, vLLM or speculators folder, or a Hub id), or new[:LAYERS] for a fresh "
-            "random head; repeat the flag to compare several heads in one run; needed unless --mode none",
-        )
-        p.add_argument("--k", type=k_list, default=[7], help="drafts per round: one K, or several (1,3,5,7)")
-    else:
-        p.add_argument(
-            "--drafter",
-            metavar="DIR",
-            help="drafter checkpoint (ours, vLLM or speculators folder, or a Hub id), or new[:LAYERS] for a fresh "
-            "random head; needed unless --mode none",
-        )
-        p.add_argument("--k", type=positive_int, default=7, help="drafts per round")
-    p.add_argument(
-        "--mode",
-        default=None,
-        choices=["parallel", "chain", "dflash", "none"],
-        help="parallel = P-EAGLE (one drafter pass), chain = EAGLE-3, dflash = DFlash, none = plain decoding "
-        "(default: each head's own mode)",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="auto = read the target's weights; dummy = random weights of its shapes, nothing read (speed and memory "
-        "runs, as vLLM's flag): --target may then also be a preset (Llama-3.1-8B, Qwen3-8B, ...) or a folder with "
-        "only config.json",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16"],
-        help="target dtype; auto = float32 on CPU, bfloat16 on GPU/TPU",
-    )
+    add_model_flags(p, several=bench)
     p.add_argument("--max-new-tokens", type=positive_int, default=128, help="new tokens per prompt at most")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus sampling mass")
     p.add_argument("--seed", type=seed_int, default=0, help="sampling seed, in [0, 2**63 - 1]")
-    p.add_argument(
-        "--deep-k", default="error", choices=["error", "warn"], help="k above the drafter's trained depth: fail or warn"
-    )
     p.add_argument(
         "--stop-token-ids",
         metavar="IDS",
@@ -210,20 +157,6 @@ def _cost_parser(sub) -> None:
     )
     cost.add_argument("--reps", type=positive_int, default=10, help="timed calls per program (medians)")
     cost.add_argument("--json", dest="json_out", metavar="FILE", help="write the results here (after every row)")
-
-
-MODES = ("parallel", "chain", "dflash")
-
-
-def mode_list(text: str) -> list[str]:
-    """An argparse type: drafting modes, comma separated, each once."""
-    modes = [m for m in text.replace(" ", "").split(",") if m]
-    bad = [m for m in modes if m not in MODES]
-    if not modes or bad or len(set(modes)) != len(modes):
-        raise argparse.ArgumentTypeError(
-            f"expected some of {', '.join(MODES)}, comma separated, each once, got {text!r}"
-        )
-    return modes
 
 
 def _check_cost(parser, args) -> argparse.Namespace:

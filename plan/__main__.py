@@ -27,7 +27,13 @@ def parser() -> OneLineParser:
     p = OneLineParser(prog="python -m peagle_jax.plan", description=__doc__.split("\n\n")[1])
     p.add_argument("--target", help="an HF folder, a folder with config.json, or a preset name")
     p.add_argument("--device", help="h100, h200, h100x8, h200x8x2, v5e-8, v5p-8, v6e-8, v5e-256, ...")
-    p.add_argument("--job", choices=("train", "serve"), default="train")
+    p.add_argument(
+        "--job",
+        choices=("train", "serve", "server"),
+        default="train",
+        help="train steps; serve: a round and the decode step at --batch; server: what `python -m infer serve` "
+        "runs (a request's prefill at the --tokens bucket, its insert, a step over --batch slots)",
+    )
     p.add_argument("--modes", default=None, help="comma-separated modes (default: all of the job's)")
     p.add_argument("--tokens", type=positive_int, default=4096, help="train: tokens per sequence")
     p.add_argument(

@@ -8,6 +8,7 @@ plan's order). Inputs a program donates are made again before each call, outside
 from __future__ import annotations
 
 import functools
+import math
 import statistics
 import time
 
@@ -21,8 +22,7 @@ RUN_STEPS = 5
 def _maker(shape: tuple, dtype, sharding):
     def make(key):
         if jnp.issubdtype(dtype, jax.dtypes.prng_key):
-            keys = jax.random.split(jax.random.key(0), max(1, int(jnp.prod(jnp.array(shape)))) if shape else 1)
-            return keys.reshape(shape) if shape else keys[0]
+            return jax.random.split(jax.random.key(0), math.prod(shape)).reshape(shape)
         if jnp.issubdtype(dtype, jnp.floating):
             return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
         return jnp.zeros(shape, dtype)

@@ -245,12 +245,18 @@ def _batch_arrays(cfg, stepper, target: Target, batch: int, tokens: int) -> dict
 # ---------------------------------------------------------------- serving
 
 
-def serve_round(target: Target, head: Drafter | None, mode: str, *, batch: int, k: int, cache_len: int):
-    """The traced speculative round of `mode` ("none": the plain decode step, one token a row)
-    over caches of `cache_len` slots for `batch` rows, state as the engine's prefill leaves it."""
+def engine_config(target: Target, head: Drafter | None, mode: str, k: int) -> sp.EngineConfig:
+    """The engine's settings of a decoder of `mode` over this target and head (greedy)."""
     cfg = sp.EngineConfig(k=k, mode=mode, aux_layer_ids=tuple(target.aux_layer_ids), mesh=_engine_mesh(target))
     if head is not None and head.config.aux_layer_ids is not None:
         cfg = dataclasses.replace(cfg, aux_layer_ids=tuple(head.config.aux_layer_ids))
+    return cfg
+
+
+def serve_round(target: Target, head: Drafter | None, mode: str, *, batch: int, k: int, cache_len: int):
+    """The traced speculative round of `mode` ("none": the plain decode step, one token a row)
+    over caches of `cache_len` slots for `batch` rows, state as the engine's prefill leaves it."""
+    cfg = engine_config(target, head, mode, k)
     ddef, dstate = (None, None) if mode == "none" else (head.graphdef, head.state)
     state = decode_state(cfg, target, head if mode != "none" else None, batch, cache_len)
     with kernels.for_platform(platform_of(target.mesh)):
@@ -264,9 +270,7 @@ def _engine_mesh(target: Target):
 def decode_state(cfg, target: Target, head, batch: int, cache_len: int):
     """The abstract DecodeState of `batch` rows (jit_prefill's output shapes), caches split as
     the weights' kv heads are (over tensor) and rows over data."""
-    tspec = kv.spec(target.config, batch, cache_len, target.dtype)
-    dlen = None if head is None else kv.drafter_length(head.config, cache_len, cfg.k)
-    dspec = None if head is None else kv.spec(head.config, batch, dlen, float_dtype(head.state))
+    tspec, dspec = _cache_specs(cfg, target, head, batch, cache_len)
     rows = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
     lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -276,12 +280,7 @@ def decode_state(cfg, target: Target, head, batch: int, cache_len: int):
                                                      kv.allocate(tspec), kv.allocate(dspec), key),
             target.state, None if head is None else head.state, rows, lens, lens, key,
         )  # fmt: skip
-    mesh = target.mesh
-    cache = NamedSharding(mesh, _cache_spec(mesh, batch, target.config.num_kv_heads))
-    rep = NamedSharding(mesh, P())
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache if x.ndim == 4 else rep), shapes
-    )
+    return _placed_state(target, batch, shapes)
 
 
 def float_dtype(state):
@@ -299,3 +298,63 @@ def _cache_spec(mesh, batch: int, kv_heads: int) -> P:
     data = "data" if batch % mesh.shape["data"] == 0 and mesh.shape["data"] > 1 else None
     tensor = "tensor" if kv_heads % mesh.shape["tensor"] == 0 and mesh.shape["tensor"] > 1 else None
     return P(data, None, tensor, None)
+
+
+# ---------------------------------------------------------------- the server's programs (infer serve)
+
+
+def server_programs(target: Target, head: Drafter | None, mode: str, *, batch: int, k: int, cache_len: int,
+                    prompt: int) -> list[tuple[str, object]]:  # fmt: skip
+    """(name, trace) of what `python -m infer serve` runs (`peagle_jax.engine.Slots`): one request's
+    prefill at the prompt bucket `prompt`, its insert into `batch` slots of `cache_len` positions,
+    and a step of one round over every slot (per-row sampling)."""
+    from peagle_jax.engine import slots as sl
+
+    cfg = engine_config(target, head, mode, k)
+    ddef, dstate = (None, None) if mode == "none" else (head.graphdef, head.state)
+    dhead = None if mode == "none" else head
+    specs = {b: _cache_specs(cfg, target, dhead, b, cache_len) for b in (1, batch)}
+    slots_state = _placed_state(target, batch, jax.eval_shape(lambda: sl._empty(cfg.k, *specs[batch])))
+    row = _placed_state(target, 1, jax.eval_shape(lambda: sl._empty(cfg.k, *specs[1])))
+    ints = {n: jax.ShapeDtypeStruct((n,), jnp.int32) for n in (1,)}
+    prompt_ids = jax.ShapeDtypeStruct((1, min(kv.round_up(prompt, kv.LENGTH_MULTIPLE), cache_len)), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    sampling = jax.eval_shape(lambda: sp.RowSampling(jnp.zeros((1,)), jnp.ones((1,)), jax.random.key(0)[None]))
+    platform = platform_of(target.mesh)
+
+    def prefill():
+        with kernels.for_platform(platform):
+            return sp.jit_prefill.trace(cfg, target.graphdef, target.state, ddef, dstate, prompt_ids, ints[1],
+                                        ints[1], *specs[1], key, sampling)  # fmt: skip
+
+    def insert():
+        return sl._insert.trace(slots_state, row, jax.ShapeDtypeStruct((), jnp.int32))
+
+    def step():
+        with kernels.for_platform(platform):
+            return sp.jit_rounds.trace(cfg, target.graphdef, target.state, ddef, dstate, slots_state, 1, batch)
+
+    where = f"batch={batch} cache={cache_len}"
+    return [
+        (f"server/prefill/{mode} bucket={prompt_ids.shape[1]} cache={cache_len}", prefill),
+        (f"server/insert/{mode} {where}", insert),
+        (f"server/step/{mode} k={cfg.k} {where}", step),
+    ]
+
+
+def _cache_specs(cfg, target: Target, head, batch: int, cache_len: int):
+    """(target, head) cache specs of `batch` rows, as `SpeculativeDecoder.cache_specs` makes them."""
+    tspec = kv.spec(target.config, batch, cache_len, target.dtype)
+    if head is None:
+        return tspec, None
+    return tspec, kv.spec(head.config, batch, kv.drafter_length(head.config, cache_len, cfg.k), float_dtype(head.state))
+
+
+def _placed_state(target: Target, batch: int, shapes):
+    """Abstract DecodeState `shapes` placed as `decode_state` places it (caches split, the rest replicated)."""
+    mesh = target.mesh
+    cache = NamedSharding(mesh, _cache_spec(mesh, batch, target.config.num_kv_heads))
+    rep = NamedSharding(mesh, P())
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache if x.ndim == 4 else rep), shapes
+    )

@@ -17,13 +17,18 @@ from plan.programs import (
     compile_traced,
     mesh_of,
     serve_round,
+    server_programs,
     train_step,
 )
 
 __all__ = ["plan", "planned_ok", "job_programs", "line", "fits", "program_estimate", "round_costs"]
 
 GiB = 1 << 30
-MODES = {"train": ("parallel", "chain", "dflash"), "serve": ("parallel", "chain", "dflash", "none")}
+MODES = {
+    "train": ("parallel", "chain", "dflash"),
+    "serve": ("parallel", "chain", "dflash", "none"),
+    "server": ("parallel", "chain", "dflash", "none"),  # python -m infer serve: prefill, insert, step
+}
 
 
 def fits(p: Program, device: Device, headroom: float) -> bool:
@@ -78,6 +83,9 @@ def job_programs(job: str, modes, target, *, tokens: int, batch: int, k: int, ca
         if job == "train":
             trace = _train_trace(target, mode, tokens, batch, flags)
             out.append((f"train/{mode} tokens={tokens} batch={batch}", trace))
+        elif job == "server":
+            head = None if mode == "none" else abstract_head(target, mode, k=8, dtype=target.dtype.name)
+            out += server_programs(target, head, mode, batch=batch, k=k, cache_len=cache_len, prompt=tokens)
         else:
             trace = _serve_trace(target, mode, batch, k, cache_len)
             name = "decode step" if mode == "none" else f"round/{mode} k={k}"
@@ -143,18 +151,13 @@ def plan(args, device: Device, tcfg) -> dict:
             best = None
             for size in sizes:
                 tokens, b = (size or args.tokens, batch) if args.job == "train" else (args.tokens, size or batch)
-                (name, trace), = job_programs(
+                programs = job_programs(
                     args.job, [mode], target, tokens=tokens, batch=b, k=args.k, cache_len=args.cache_len,
                     flags=args.train_flag,
                 )  # fmt: skip
-                print(f"compiling {name} ...", flush=True)  # minutes, for a TPU step on a few cores
-                p, compiled = compile_traced(name, trace)
-                print(line(p, device, args.headroom), flush=True)
-                results.append(_record(p, device, args.headroom, tokens=tokens, batch=b, cache_len=args.cache_len))
-                if getattr(args, "run", False) and compiled is not None:
-                    results[-1]["run"] = run_compiled(compiled)
-                    print(run_line(name, results[-1]["run"], results[-1]), flush=True)
-                if not fits(p, device, args.headroom):
+                if not all(
+                    _one(args, device, name, trace, results, tokens=tokens, batch=b) for name, trace in programs
+                ):
                     break
                 best = size
             if args.search:
@@ -166,6 +169,19 @@ def plan(args, device: Device, tcfg) -> dict:
     return {"device": dataclasses.asdict(device), "target": tcfg.model_type, "layers": tcfg.num_layers,
             "job": args.job, "programs": results, "largest": largest,
             "round_cost_in_decode_steps": costs}  # fmt: skip
+
+
+def _one(args, device: Device, name: str, trace, results: list, **sizes) -> bool:
+    """Compiles one program (and with --run, runs it), prints its lines, adds its record to
+    `results`: whether it fits."""
+    print(f"compiling {name} ...", flush=True)  # minutes, for a TPU step on a few cores
+    p, compiled = compile_traced(name, trace)
+    print(line(p, device, args.headroom), flush=True)
+    results.append(_record(p, device, args.headroom, cache_len=args.cache_len, **sizes))
+    if getattr(args, "run", False) and compiled is not None:
+        results[-1]["run"] = run_compiled(compiled)
+        print(run_line(name, results[-1]["run"], results[-1]), flush=True)
+    return fits(p, device, args.headroom)
 
 
 def planned_ok(result: dict) -> bool:

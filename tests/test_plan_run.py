@@ -50,3 +50,19 @@ def test_run_refuses_a_device_this_machine_has_not():
     r = run_module("peagle_jax.plan", ["--target", "Llama-3.1-8B", "--device", "h200", "--job", "serve", "--run"])
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("error: --run: this machine has 1 x cpu")
+
+
+def test_the_server_programs_compile_and_run(target):
+    """`--job server`: what `python -m infer serve` runs (a request's prefill at its bucket, its insert
+    into the slots, a step over every slot), built over abstract weights and run on inputs of its shapes."""
+    programs = job_programs("server", ["parallel"], target, tokens=100, batch=4, k=3, cache_len=256)
+    names = [name for name, _ in programs]
+    assert names == [
+        "server/prefill/parallel bucket=128 cache=256",
+        "server/insert/parallel batch=4 cache=256",
+        "server/step/parallel k=3 batch=4 cache=256",
+    ]
+    for name, trace in programs:
+        program, compiled = compile_traced(name, trace)
+        assert program.compiled, program.error
+        assert run_compiled(compiled, steps=1)["step_ms"] > 0

@@ -5,35 +5,15 @@ from __future__ import annotations
 
 import argparse
 
+from infer.flags import add_model_flags
 from peagle_jax.cli import number_type, positive_int
 
 port_number = number_type(int, 0, 65535, "a port number in [0, 65535]")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    """The flags of `serve` (the target and head flags as `generate` spells them)."""
-    p.add_argument("--target", required=True, metavar="DIR", help="Hugging Face folder of the target, or a Hub id")
-    p.add_argument(
-        "--drafter",
-        metavar="DIR",
-        help="drafter checkpoint or Hub id, or new[:LAYERS] (a fresh random head); needed unless --mode none",
-    )
-    p.add_argument(
-        "--load-format",
-        default="auto",
-        choices=["auto", "dummy"],
-        help="dummy: random weights of the target's shapes, nothing read (speed and memory runs; the folder's "
-        "config.json and tokenizer are still needed)",
-    )
-    p.add_argument("--k", type=positive_int, default=7, help="drafts per round")
-    p.add_argument(
-        "--mode",
-        default=None,
-        choices=["parallel", "chain", "dflash", "none"],
-        help="parallel = P-EAGLE, chain = EAGLE-3, dflash = DFlash, none = plain decoding (default: the head's own)",
-    )
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="target dtype")
-    p.add_argument("--deep-k", default="error", choices=["error", "warn"], help="k above the head's trained depth")
+    """The flags of `serve` (the target and head flags `generate` has)."""
+    add_model_flags(p)
     p.add_argument("--max-batch", type=positive_int, default=8, help="decode slots: requests decoded together")
     p.add_argument(
         "--max-len",

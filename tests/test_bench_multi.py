@@ -5,6 +5,7 @@ checked prompt by prompt."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -55,13 +56,16 @@ def test_two_heads_side_by_side(heads, tmp_path, capsys):
     assert table.count("chain") >= 2
 
 
-def test_k_lists_parse():
-    args = parse_args(["bench", "--target", "t", "--drafter", "a", "--drafter", "b", "--k", "1, 3,7"])
+def test_k_lists_parse(tmp_path):
+    t, a, b = (str(tmp_path / name) for name in ("t", "a", "b"))
+    for folder in (t, a, b):  # the flags name existing folders (checked before anything loads)
+        Path(folder).mkdir()
+    args = parse_args(["bench", "--target", t, "--drafter", a, "--drafter", b, "--k", "1, 3,7"])
     assert args.k == [1, 3, 7]
-    assert args.drafter == ["a", "b"]
+    assert args.drafter == [a, b]
     assert args.mode is None
-    assert parse_args(["bench", "--target", "t", "--drafter", "a"]).k == [7]
-    assert parse_args(["generate", "--target", "t", "--drafter", "a", "--k", "3", "--prompt", "x"]).k == 3
+    assert parse_args(["bench", "--target", t, "--drafter", a]).k == [7]
+    assert parse_args(["generate", "--target", t, "--drafter", a, "--k", "3", "--prompt", "x"]).k == 3
 
 
 def test_mismatches_are_counted_prompt_by_prompt():

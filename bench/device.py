@@ -63,7 +63,7 @@ SHARES = {"kernels": 0.15, "cost": 0.20, "train_step": 0.20, "evaluate": 0.15}  
 HEAD_STAGES = ("train_head", "evaluate")  # they need real weights and data: not run on dummy weights
 # infer cost: the goal rows first (K=7, batch 1, a 4k cache), so a stage cut short still has them
 COST_FLAGS = ["--modes", "parallel,chain", "--k", "7,1,3,5,2,4,6", "--batch", "1,16,64", "--prompt-len", "4096,32768"]
-SMOKE_COST_FLAGS = ["--modes", "parallel,chain", "--k", "1,3", "--batch", "1", "--prompt-len", "32", "--reps", "2"]
+SMOKE_COST_FLAGS = ["--modes", "parallel,chain", "--k", "3", "--batch", "1", "--prompt-len", "32", "--reps", "2"]
 SMOKE_TARGET = {  # a tiny config.json for --smoke's dummy-weight stages
     "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
     "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 512,

@@ -93,12 +93,12 @@ CASES = [
     (
         "infer bench --prompts no such file",
         BENCH + ["--prompts", "{out}/none.jsonl"],
-        "--prompts '{out}/none.jsonl': neither mtbench, humaneval nor an existing JSONL file",
+        "--prompts '{out}/none.jsonl': neither mtbench, humaneval, an existing JSONL file nor synthetic:LENGTHS",
     ),
     (
         "infer bench --prompts a folder",
         BENCH + ["--prompts", "{root}"],
-        "--prompts '{root}': neither mtbench, humaneval nor an existing JSONL file",
+        "--prompts '{root}': neither mtbench, humaneval, an existing JSONL file nor synthetic:LENGTHS",
     ),
     (
         "export --target no such folder",

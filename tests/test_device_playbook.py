@@ -78,7 +78,7 @@ def test_smoke_results_hold_each_stages_numbers(smoke):
     assert by["pallas", 64]["first_loss"] == pytest.approx(by["xla", 64]["first_loss"], rel=1e-4)
     assert step["longest_fits"] == {"pallas": 128, "xla": 64} and step["longest_fits_capped"] is True
     cost = st["cost"]["results"]
-    assert {(r["mode"], r["k"]) for r in cost["rounds"]} == {(m, k) for m in ("parallel", "chain") for k in (1, 3)}
+    assert {(r["mode"], r["k"]) for r in cost["rounds"]} == {("parallel", 3), ("chain", 3)}
     assert cost["load_format"] == "dummy" and cost["plain"][0]["step_ms"] > 0
     assert all(r["break_even_acceptance_length"] > 0 for r in cost["rounds"])
     head = st["train_head"]["results"]

@@ -33,10 +33,11 @@ def test_concurrent_chats_equal_generate_alone(tmp_path):
     drafter.save(tmp_path / "head")
     conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
     dec = SpeculativeDecoder(target, drafter, k=K, mode="parallel")
-    want = [dec.generate([c], max_new_tokens=NEW).texts[0] for c in conversations]
+    want = dec.generate(conversations, max_new_tokens=NEW).texts  # a padded batch decodes each row as alone
 
     argv = ["--target", str(folder), "--drafter", str(tmp_path / "head"), "--k", str(K)]
-    server = ServerProcess([*argv, "--max-batch", "4", "--max-len", "256"], tmp_path / "server.log", "gemma")
+    # two slots for four requests: two wait in the queue and take the slots the first two free
+    server = ServerProcess([*argv, "--max-batch", "2", "--max-len", "256"], tmp_path / "server.log", "gemma")
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 

@@ -3,7 +3,7 @@ docs/benchmarks.md by bench/render_results.py): a row per (mode, K, batch, promp
 step and its roofline in the notes.
 
     python bench/cost_results.py RAW.json --out bench/results/NAME.json --title TITLE --order N \\
-        --setup TEXT --hardware TEXT [--note TEXT ...]
+        --setup TEXT --hardware TEXT [--note TEXT ...] [--design docs/design/NOTE.md]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hardware", required=True)
     ap.add_argument("--command", help="the command as shown (default: the one the raw file recorded)")
     ap.add_argument("--note", action="append", default=[], help="a note after the computed ones (repeatable)")
+    ap.add_argument("--design", help="the design note behind it (docs/design/...)")
     args = ap.parse_args(argv)
     raw = json.loads(Path(args.raw).read_text())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -73,6 +74,8 @@ def main(argv=None) -> int:
         "rows": rows(raw),
         "notes": plain_notes(raw) + args.note,
     }
+    if args.design:
+        result["design"] = args.design
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

@@ -282,8 +282,7 @@ def target_folder(run: Run) -> str:
         folder.mkdir(exist_ok=True)
         write_json(folder / "config.json", SMOKE_TARGET)
         return str(folder)
-    sys.path.insert(0, str(ROOT))
-    from peagle_jax.assets import ASSETS, prepare
+    from peagle_jax.assets import ASSETS, prepare  # main put this tree first on sys.path
 
     return str(prepare(run.args.target)) if run.args.target in ASSETS else run.args.target
 

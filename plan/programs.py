@@ -316,7 +316,7 @@ def server_programs(target: Target, head: Drafter | None, mode: str, *, batch: i
     specs = {b: _cache_specs(cfg, target, dhead, b, cache_len) for b in (1, batch)}
     slots_state = _placed_state(target, batch, jax.eval_shape(lambda: sl._empty(cfg.k, *specs[batch])))
     row = _placed_state(target, 1, jax.eval_shape(lambda: sl._empty(cfg.k, *specs[1])))
-    ints = {n: jax.ShapeDtypeStruct((n,), jnp.int32) for n in (1,)}
+    one_row = jax.ShapeDtypeStruct((1,), jnp.int32)  # the request's prompt length and token budget
     prompt_ids = jax.ShapeDtypeStruct((1, min(kv.round_up(prompt, kv.LENGTH_MULTIPLE), cache_len)), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
     sampling = jax.eval_shape(lambda: sp.RowSampling(jnp.zeros((1,)), jnp.ones((1,)), jax.random.key(0)[None]))
@@ -324,8 +324,8 @@ def server_programs(target: Target, head: Drafter | None, mode: str, *, batch: i
 
     def prefill():
         with kernels.for_platform(platform):
-            return sp.jit_prefill.trace(cfg, target.graphdef, target.state, ddef, dstate, prompt_ids, ints[1],
-                                        ints[1], *specs[1], key, sampling)  # fmt: skip
+            return sp.jit_prefill.trace(cfg, target.graphdef, target.state, ddef, dstate, prompt_ids, one_row,
+                                        one_row, *specs[1], key, sampling)  # fmt: skip
 
     def insert():
         return sl._insert.trace(slots_state, row, jax.ShapeDtypeStruct((), jnp.int32))

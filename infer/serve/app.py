@@ -25,6 +25,7 @@ from infer.serve.protocol import ApiError
 from infer.serve.scheduler import Closed, Finished, Job, QueueFull, Tokens
 from infer.serve.text import TextStream
 from peagle_jax import chat
+from peagle_jax.engine.sampling import SamplingParams
 
 log = logging.getLogger("infer.serve")
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
@@ -203,7 +204,10 @@ def _job(served: Served, body, ids: list[int]) -> tuple[Job, asyncio.Queue]:
             pass
 
     seed = random.getrandbits(63) if body.seed is None else body.seed
-    job = Job(ids, max_tokens, emit, body.temperature, body.top_p, seed, frozenset(body.stop_token_ids or ()))
+    params = SamplingParams(
+        max_tokens, body.temperature, body.top_p, seed=seed, stop_token_ids=tuple(body.stop_token_ids or ())
+    )
+    job = Job(ids, params, emit)
     return job, events
 
 

@@ -16,29 +16,58 @@ import threading
 import time
 from collections.abc import Callable
 
+from peagle_jax.engine.sampling import SamplingParams
+
 log = logging.getLogger("infer.serve")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the target's raw distribution, and the `logprobs` most
+    likely (id, log-probability) pairs there, most likely first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Tokens:
     ids: list[int]
+    logprobs: list[TokenLogprob] | None = None  # one per id when the request asked for logprobs
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt's own log-probabilities (echo with logprobs), before any Tokens: one per prompt
+    token, None for the first (nothing precedes it)."""
+
+    logprobs: list[TokenLogprob | None]
 
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    reason: str  # "stop" (an eos id or stop token id), "length", "abort" (shutdown); metrics also count "cancelled"
+    reason: str  # "stop" (an eos id or stop token id), "length"; metrics also count "cancelled"
     completion_tokens: int  # generated, the stop token included
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The request ended without finishing: its own work failed (status 500), or the server stops
+    (503). The HTTP side answers an error (an error event in a stream)."""
+
+    message: str
+    status: int = 500
+
+
+Event = Tokens | PromptLogprobs | Finished | Failed
 
 
 @dataclasses.dataclass(eq=False)
 class Job:
     ids: list[int]
-    max_tokens: int
-    emit: Callable[[Tokens | Finished], None]  # called from the device thread
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: frozenset[int] = frozenset()
+    params: SamplingParams
+    emit: Callable[[Event], None]  # called from the device thread
+    prompt_logprobs: int | None = None  # echo with logprobs: the prompt's, with this many top tokens
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
     generated: int = 0
@@ -145,7 +174,8 @@ class Scheduler:
         return True
 
     def _admit(self, job: Job, free: list[int]) -> None:
-        row = self.slots.prefill(job.ids, job.max_tokens, job.temperature, job.top_p, job.seed)
+        p = job.params
+        row = self.slots.prefill(job.ids, p.max_tokens, p.temperature, p.top_p, p.seed)
         tokens, done = self.slots.first_tokens(row)
         self.metrics.prompt_tokens.inc(len(job.ids))
         self.metrics.ttft.observe(time.perf_counter() - job.arrived)
@@ -193,13 +223,13 @@ class Scheduler:
         if job.cancelled:
             self.metrics.finished.labels("cancelled").inc()
             return True
-        stop = next((i for i, t in enumerate(ids) if t in self.stop_ids or t in job.stop_ids), None)
+        stop = next((i for i, t in enumerate(ids) if t in self.stop_ids or t in job.params.stop_token_ids), None)
         kept = ids if stop is None else ids[:stop]
         job.generated += len(ids) if stop is None else stop + 1
         self.metrics.generated.inc(len(ids) if stop is None else stop + 1)
         if kept:
             job.emit(Tokens(kept))
-        if stop is not None or engine_done or job.generated >= job.max_tokens:
+        if stop is not None or engine_done or job.generated >= job.params.max_tokens:
             self._end(job, "stop" if stop is not None else "length")
             return True
         return False

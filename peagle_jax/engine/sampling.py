@@ -9,6 +9,7 @@ vLLM's (and OpenAI's where it has the field):
 - stop_token_ids end a request (the token is kept), as the target's eos ids do unless
   `ignore_eos`; no stop or eos id can end it before `min_tokens` new tokens (their logits are
   masked until then);
+- logit_bias adds a bias to a token's logit before anything else (OpenAI's, in [-100, 100]);
 - logprobs: None, or how many of the most likely tokens to report beside each emitted token's own
   log-probability (0: only its own), from the target's raw distribution (its log-softmax).
 """
@@ -36,6 +37,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self):
         problems = list(self._problems())
@@ -72,6 +74,8 @@ class SamplingParams:
             yield f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
         if self.logprobs is not None and (not whole(self.logprobs) or self.logprobs < 0):
             yield f"logprobs must be None or an integer >= 0, got {self.logprobs!r}"
+        if any(not whole(t) or t < 0 or not finite(b) or not -100 <= b <= 100 for t, b in self.logit_bias):
+            yield f"logit_bias must map token ids to biases in [-100, 100], got {dict(self.logit_bias)!r}"
 
     @property
     def greedy(self) -> bool:

@@ -24,8 +24,7 @@ from jax.sharding import PartitionSpec as P
 import kernels
 from peagle_jax.cli import interruptible
 from peagle_jax.drafter import Drafter, head_config
-from peagle_jax.engine import cache as kv
-from peagle_jax.engine import speculative as sp
+from peagle_jax.engine import Engine, SamplingParams, Slots
 from peagle_jax.models.drafter import abstract_drafter, flat_state, param_key
 from peagle_jax.plan.launches import Launches, count_launches
 from peagle_jax.plan.roofline import gathered_bytes, jaxpr_flops
@@ -245,59 +244,25 @@ def _batch_arrays(cfg, stepper, target: Target, batch: int, tokens: int) -> dict
 # ---------------------------------------------------------------- serving
 
 
-def engine_config(target: Target, head: Drafter | None, mode: str, k: int) -> sp.EngineConfig:
-    """The engine's settings of a decoder of `mode` over this target and head (greedy)."""
-    cfg = sp.EngineConfig(k=k, mode=mode, aux_layer_ids=tuple(target.aux_layer_ids), mesh=_engine_mesh(target))
-    if head is not None and head.config.aux_layer_ids is not None:
-        cfg = dataclasses.replace(cfg, aux_layer_ids=tuple(head.config.aux_layer_ids))
-    return cfg
+def serving_engine(target: Target, head: Drafter | None, mode: str, k: int) -> Engine:
+    """The engine `python -m infer` builds over this target and head (abstract weights)."""
+    return Engine(target, None if mode == "none" else head, k=k, mode=mode, deep_k="warn")
+
+
+def abstract_state(engine: Engine, batch: int, cache_len: int):
+    """The abstract DecodeState of `batch` rows placed as the engine places it."""
+    shapes = jax.eval_shape(lambda: engine.empty(batch, cache_len))
+    shardings = engine.state_shardings(shapes)
+    return shapes if shardings is None else placed(shapes, shardings)
 
 
 def serve_round(target: Target, head: Drafter | None, mode: str, *, batch: int, k: int, cache_len: int):
     """The traced speculative round of `mode` ("none": the plain decode step, one token a row)
-    over caches of `cache_len` slots for `batch` rows, state as the engine's prefill leaves it."""
-    cfg = engine_config(target, head, mode, k)
-    ddef, dstate = (None, None) if mode == "none" else (head.graphdef, head.state)
-    state = decode_state(cfg, target, head if mode != "none" else None, batch, cache_len)
+    over caches of `cache_len` slots for `batch` rows."""
+    engine = serving_engine(target, head, mode, k)
+    state = abstract_state(engine, batch, cache_len)
     with kernels.for_platform(platform_of(target.mesh)):
-        return sp.jit_round.trace(cfg, target.graphdef, target.state, ddef, dstate, state)
-
-
-def _engine_mesh(target: Target):
-    return target.mesh if target.mesh.size > 1 else None
-
-
-def decode_state(cfg, target: Target, head, batch: int, cache_len: int):
-    """The abstract DecodeState of `batch` rows (jit_prefill's output shapes), caches split as
-    the weights' kv heads are (over tensor) and rows over data."""
-    tspec, dspec = _cache_specs(cfg, target, head, batch, cache_len)
-    rows = jax.ShapeDtypeStruct((batch, 64), jnp.int32)
-    lens = jax.ShapeDtypeStruct((batch,), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    with kernels.for_platform("cpu"):  # shapes only
-        shapes = jax.eval_shape(
-            lambda ts, ds, p, n, b, key: sp.prefill(cfg, *sp_modules(target, head, ts, ds), p, n, b,
-                                                     kv.allocate(tspec), kv.allocate(dspec), key),
-            target.state, None if head is None else head.state, rows, lens, lens, key,
-        )  # fmt: skip
-    return _placed_state(target, batch, shapes)
-
-
-def float_dtype(state):
-    """The parameter dtype of a state (its first floating leaf: d2t is int32)."""
-    return next(x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating))
-
-
-def sp_modules(target: Target, head, tstate, dstate):
-    from flax import nnx
-
-    return nnx.merge(target.graphdef, tstate), None if head is None else nnx.merge(head.graphdef, dstate)
-
-
-def _cache_spec(mesh, batch: int, kv_heads: int) -> P:
-    data = "data" if batch % mesh.shape["data"] == 0 and mesh.shape["data"] > 1 else None
-    tensor = "tensor" if kv_heads % mesh.shape["tensor"] == 0 and mesh.shape["tensor"] > 1 else None
-    return P(data, None, tensor, None)
+        return engine.round_call(state).trace()
 
 
 # ---------------------------------------------------------------- the server's programs (infer serve)
@@ -305,56 +270,27 @@ def _cache_spec(mesh, batch: int, kv_heads: int) -> P:
 
 def server_programs(target: Target, head: Drafter | None, mode: str, *, batch: int, k: int, cache_len: int,
                     prompt: int) -> list[tuple[str, object]]:  # fmt: skip
-    """(name, trace) of what `python -m infer serve` runs (`peagle_jax.engine.Slots`): one request's
-    prefill at the prompt bucket `prompt`, its insert into `batch` slots of `cache_len` positions,
-    and a step of one round over every slot (per-row sampling)."""
-    from peagle_jax.engine import slots as sl
-
-    cfg = engine_config(target, head, mode, k)
-    ddef, dstate = (None, None) if mode == "none" else (head.graphdef, head.state)
-    dhead = None if mode == "none" else head
-    specs = {b: _cache_specs(cfg, target, dhead, b, cache_len) for b in (1, batch)}
-    slots_state = _placed_state(target, batch, jax.eval_shape(lambda: sl._empty(cfg.k, *specs[batch])))
-    row = _placed_state(target, 1, jax.eval_shape(lambda: sl._empty(cfg.k, *specs[1])))
-    one_row = jax.ShapeDtypeStruct((1,), jnp.int32)  # the request's prompt length and token budget
-    prompt_ids = jax.ShapeDtypeStruct((1, min(kv.round_up(prompt, kv.LENGTH_MULTIPLE), cache_len)), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
-    sampling = jax.eval_shape(lambda: sp.RowSampling(jnp.zeros((1,)), jnp.ones((1,)), jax.random.key(0)[None]))
+    """(name, trace) of what `python -m infer serve` runs, built by its own `Slots` over abstract
+    weights: one request's prefill at the prompt bucket of `prompt` tokens, its insert into `batch`
+    slots of `cache_len` positions, and a step of one round over every slot."""
+    slots = Slots(serving_engine(target, head, mode, k), batch, cache_len, abstract=True)
+    request = ([0] * prompt, SamplingParams(1), jax.random.key(0))
     platform = platform_of(target.mesh)
 
     def prefill():
         with kernels.for_platform(platform):
-            return sp.jit_prefill.trace(cfg, target.graphdef, target.state, ddef, dstate, prompt_ids, one_row,
-                                        one_row, *specs[1], key, sampling)  # fmt: skip
+            return slots.prefill_call([request]).trace()
 
     def insert():
-        return sl._insert.trace(slots_state, row, jax.ShapeDtypeStruct((), jnp.int32))
+        return slots.insert_call(slots.allocate(1, abstract=True), np.zeros((1,), np.int32)).trace()
 
     def step():
         with kernels.for_platform(platform):
-            return sp.jit_rounds.trace(cfg, target.graphdef, target.state, ddef, dstate, slots_state, 1, batch)
+            return slots.step_call(batch).trace()
 
-    where = f"batch={batch} cache={cache_len}"
+    where = f"batch={batch} cache={slots.length}"
     return [
-        (f"server/prefill/{mode} bucket={prompt_ids.shape[1]} cache={cache_len}", prefill),
+        (f"server/prefill/{mode} bucket={slots.bucket(prompt)} cache={slots.length}", prefill),
         (f"server/insert/{mode} {where}", insert),
-        (f"server/step/{mode} k={cfg.k} {where}", step),
+        (f"server/step/{mode} k={slots.engine.k} {where}", step),
     ]
-
-
-def _cache_specs(cfg, target: Target, head, batch: int, cache_len: int):
-    """(target, head) cache specs of `batch` rows, as `SpeculativeDecoder.cache_specs` makes them."""
-    tspec = kv.spec(target.config, batch, cache_len, target.dtype)
-    if head is None:
-        return tspec, None
-    return tspec, kv.spec(head.config, batch, kv.drafter_length(head.config, cache_len, cfg.k), float_dtype(head.state))
-
-
-def _placed_state(target: Target, batch: int, shapes):
-    """Abstract DecodeState `shapes` placed as `decode_state` places it (caches split, the rest replicated)."""
-    mesh = target.mesh
-    cache = NamedSharding(mesh, _cache_spec(mesh, batch, target.config.num_kv_heads))
-    rep = NamedSharding(mesh, P())
-    return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=cache if x.ndim == 4 else rep), shapes
-    )

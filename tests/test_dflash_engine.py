@@ -17,6 +17,7 @@ from sampling_law import chi2_pvalue, sample_counts
 
 import peagle_jax as pj
 from peagle_jax.engine import SpeculativeDecoder
+from peagle_jax.engine import sampler
 from peagle_jax.engine import speculative as sp
 from peagle_jax.models import dflash as dflash_mod
 from peagle_jax.models.layers import apply_rope
@@ -249,18 +250,18 @@ def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypat
     prompt = [7, 8, 9]
     plain = SpeculativeDecoder(target, mode="none")
     spec = SpeculativeDecoder(target, _copy_back_head(target), k=2)
-    new, rows, seeds = 3, 256, range(4)
+    new, rows, seeds = 3, 512, range(4)  # 512 rows: 256 leave a wrong rule near p ~ 1e-4
     base = sample_counts(plain, prompt, rows, seeds, new)
     good = sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
     assert chi2_pvalue(base, good) > 1e-3
-    right = sp.accept_rejection
+    right = sampler.accept_rejection
 
     def wrong(probs, drafts, draft_probs, key):
         n, _ = right(probs, drafts, draft_probs, key)
         pick = jnp.take_along_axis(probs, n[:, None, None], axis=1)[:, 0]
         return n, jax.random.categorical(key, jnp.log(pick), axis=-1).astype(jnp.int32)
 
-    monkeypatch.setattr(sp, "accept_rejection", wrong)
+    monkeypatch.setattr(sampler, "accept_rejection", wrong)
     jax.clear_caches()
     bad = sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
     assert chi2_pvalue(base, bad) < 1e-6

@@ -9,7 +9,7 @@ import pytest
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
-from peagle_jax.engine import Slots
+from peagle_jax.engine import SamplingParams, Slots, row_key
 
 K, NEW = 3, 12
 ROWS, LENGTH = 3, 128  # one shape for every test: one compile of each program
@@ -23,28 +23,26 @@ def decoder(tmp_path_factory):
     return SpeculativeDecoder(target, pj.new_drafter(target, num_layers=1, mode="parallel", seed=1), k=K)
 
 
+def params(n, temperature=0.0, top_p=1.0, seed=0) -> SamplingParams:
+    return SamplingParams(n, temperature, top_p, seed=seed)
+
+
 def drain(slots: Slots, requests: list[tuple]) -> list[list[int]]:
-    """Every request through `slots`, admitted into free rows between rounds, as a server does."""
+    """Every request through `slots`, admitted into free rows between steps, as a server does."""
     got = [[] for _ in requests]
-    waiting, running = list(range(len(requests))), {}
-    while waiting or running:
-        for slot in [s for s in range(slots.batch) if s not in running]:
+    waiting = list(range(len(requests)))
+    while waiting or slots.holders:
+        for slot in slots.free():
             if not waiting:
                 break
             i = waiting.pop(0)
-            row = slots.prefill(*requests[i])
-            first, done = slots.first_tokens(row)
-            got[i] += first
-            if not done:
-                slots.insert(row, slot)
-                running[slot] = i
-        if running:
-            slots.round()
-            news = slots.tokens()
-            for slot, i in list(running.items()):
-                got[i] += news.new(slot)
-                if news.done[slot]:
-                    del running[slot]
+            p = params(*requests[i][1:])
+            prefilled = slots.prefill([(requests[i][0], p, row_key(p.seed, 0))], [i])
+            got[i] += prefilled.news[0].ids
+            slots.insert(prefilled, [slot])
+        if slots.holders:
+            for news in slots.step():
+                got[news.holder] += news.ids
     return got
 
 
@@ -53,35 +51,34 @@ def test_rows_that_come_and_go_decode_as_each_prompt_alone(decoder):
     prompts = [rng.integers(1, hf_tiny.VOCAB, size=int(n)).tolist() for n in (3, 70, 9, 1, 40, 17, 5)]
     budgets = [NEW, 4, NEW, 1, 7, NEW, 2]
     want = [decoder.generate([p], max_new_tokens=n).tokens[0] for p, n in zip(prompts, budgets)]
-    got = drain(Slots(decoder, ROWS, LENGTH), [(p, n) for p, n in zip(prompts, budgets)])
+    got = drain(Slots(decoder.engine, ROWS, LENGTH), [(p, n) for p, n in zip(prompts, budgets)])
     assert got == want
 
 
 def test_sampled_rows_keep_their_draws_and_leave_greedy_rows_alone(decoder):
     prompt = [5, 6, 7, 8]
-    alone = drain(Slots(decoder, ROWS, LENGTH), [(prompt, NEW, 0.9, 0.9, 42)])[0]
+    alone = drain(Slots(decoder.engine, ROWS, LENGTH), [(prompt, NEW, 0.9, 0.9, 42)])[0]
     crowd = [(prompt, NEW, 0.9, 0.9, 42), ([9, 10], NEW, 1.0, 1.0, 7), (prompt, NEW), ([11], NEW, 0.7, 0.5, 3)]
-    got = drain(Slots(decoder, ROWS, LENGTH), crowd)
+    got = drain(Slots(decoder.engine, ROWS, LENGTH), crowd)
     assert got[0] == alone
     assert got[2] == decoder.generate([prompt], max_new_tokens=NEW).tokens[0]
-    others = drain(Slots(decoder, ROWS, LENGTH), [(prompt, NEW, 0.9, 0.9, s) for s in (43, 44, 45)])
+    others = drain(Slots(decoder.engine, ROWS, LENGTH), [(prompt, NEW, 0.9, 0.9, s) for s in (43, 44, 45)])
     assert any(o != alone for o in others)  # the seed is used
 
 
 def test_a_released_row_stops_and_its_slot_takes_the_next_prompt(decoder):
-    slots = Slots(decoder, ROWS, LENGTH)
-    row = slots.prefill([5, 6], NEW)
-    slots.first_tokens(row)
-    slots.insert(row, 0)
+    slots = Slots(decoder.engine, ROWS, LENGTH)
+    slots.insert(slots.prefill([([5, 6], params(NEW), row_key(0, 0))], ["a"]), [0])
+    before = slots.engine.read(slots.state, slots.start, 4)
     slots.release([0])
-    slots.round()
-    news = slots.tokens()
-    assert news.new(0) == [] and news.done[0]
+    assert slots.step(1) == [] and slots.free() == list(range(ROWS))
+    after = slots.engine.read(slots.state, slots.start, 4)
+    assert after.end[0] == before.end[0] and after.done[0]
     assert drain(slots, [([7, 8, 9], NEW)])[0] == decoder.generate([[7, 8, 9]], max_new_tokens=NEW).tokens[0]
 
 
 def test_a_prompt_that_does_not_fit_is_refused(decoder):
-    slots = Slots(decoder, 1, 64)
+    slots = Slots(decoder.engine, 1, 64)
     assert slots.max_new_tokens(64 - 2 * K - 2) == 0
-    with pytest.raises(ValueError, match="do not fit 64 slots"):
-        slots.prefill([1] * 60, 10)
+    with pytest.raises(ValueError, match="does not fit the KV cache of 64 positions"):
+        slots.prefill([([1] * 60, params(10), row_key(0, 0))], [None])

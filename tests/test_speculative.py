@@ -10,6 +10,7 @@ from sampling_law import chi2_pvalue, sample_counts
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
+from peagle_jax.engine import sampler
 from peagle_jax.engine import speculative as sp
 from peagle_jax.models import drafter as drafter_mod
 
@@ -207,18 +208,18 @@ def test_lossless_sampling_chi_square_and_a_wrong_rule_fails(tmp_path, monkeypat
     prompt = [7, 3, 9]
     plain = SpeculativeDecoder(target, mode="none")
     spec = SpeculativeDecoder(target, _skip_ahead_drafter(target, "parallel"), k=2, mode="parallel")
-    new, rows, seeds = 2, 256, range(4)
+    new, rows, seeds = 2, 512, range(4)  # 512 rows: a wrong rule scores p ~ 1e-14, 256 only ~ 1e-5
     base = sample_counts(plain, prompt, rows, seeds, new)
     good = sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
     assert chi2_pvalue(base, good) > 1e-3
-    right = sp.accept_rejection
+    right = sampler.accept_rejection
 
     def wrong(probs, drafts, draft_probs, key):  # resamples from p instead of the residual
         n, _ = right(probs, drafts, draft_probs, key)
         pick = jax.numpy.take_along_axis(probs, n[:, None, None], axis=1)[:, 0]
         return n, jax.random.categorical(key, jax.numpy.log(pick), axis=-1).astype(jax.numpy.int32)
 
-    monkeypatch.setattr(sp, "accept_rejection", wrong)
+    monkeypatch.setattr(sampler, "accept_rejection", wrong)
     jax.clear_caches()
     bad = sample_counts(spec, prompt, rows, [s + 100 for s in seeds], new)
     assert chi2_pvalue(base, bad) < 1e-6

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from peagle_jax.engine.sampling import SamplingParams
+from peagle_jax.engine.sampling import SamplingParams, row_key, stop_ids
 
 log = logging.getLogger("infer.serve")
 
@@ -68,6 +68,8 @@ class Job:
     params: SamplingParams
     emit: Callable[[Event], None]  # called from the device thread
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's, with this many top tokens
+    choice: int = 0  # which of its request's choices (n > 1): its key is row_key(seed, choice)
+    stops: frozenset[int] = frozenset()  # the ids that end it (`sampling.stop_ids`); set on submit
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
     generated: int = 0
@@ -84,9 +86,7 @@ class Closed(Exception):
 class Scheduler:
     def __init__(self, slots, max_queue: int, metrics):
         self.slots, self.max_queue, self.metrics = slots, int(max_queue), metrics
-        self.stop_ids = frozenset(slots.cfg.eos_ids)
         self._pending: collections.deque[Job] = collections.deque()
-        self._running: dict[int, Job] = {}
         self._admitting: list[Job] = []  # taken from the queue, not yet in a slot
         self._wake = threading.Condition()
         self._closing = False
@@ -104,6 +104,7 @@ class Scheduler:
                 raise Closed("the server is shutting down")
             if len(self._pending) >= self.max_queue:
                 raise QueueFull(f"all {self.slots.batch} slots are busy and {self.max_queue} requests wait")
+            job.stops = frozenset(stop_ids(job.params, self.slots.engine.eos_ids))
             self._pending.append(job)
             self.metrics.queue.set(len(self._pending))
             self._wake.notify()
@@ -142,22 +143,21 @@ class Scheduler:
             log.exception("the device loop failed")
         with self._wake:
             self._closing = True
-            jobs = self._admitting + list(self._pending) + list(self._running.values())
+            jobs = self._admitting + list(self._pending) + list(self.slots.holders.values())
             self._admitting = []
             self._pending.clear()
-            self._running.clear()
         for job in jobs:
             self._end(job, "abort")
         self._gauges()
 
     def _next(self) -> bool:
-        """One step: admissions, releases, a round. False once closing."""
+        """One step: admissions, releases, a step of rounds. False once closing."""
         with self._wake:
-            while not (self._closing or self._pending or self._running):
+            while not (self._closing or self._pending or self.slots.holders):
                 self._wake.wait()
             if self._closing:
                 return False
-            free = [s for s in range(self.slots.batch) if s not in self._running]
+            free = self.slots.free()
             self._admitting = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
         while self._admitting:
             job = self._admitting[0]
@@ -168,71 +168,62 @@ class Scheduler:
             self._admitting.pop(0)
         self._release_cancelled()
         self._gauges()
-        if self._running:
-            self._round()
+        if self.slots.holders:
+            self._step()
             self._gauges()
         return True
 
     def _admit(self, job: Job, free: list[int]) -> None:
-        p = job.params
-        row = self.slots.prefill(job.ids, p.max_tokens, p.temperature, p.top_p, p.seed)
-        tokens, done = self.slots.first_tokens(row)
+        if job.prompt_logprobs is not None:
+            job.emit(
+                PromptLogprobs(
+                    [None, *map(_token_logprob, self.slots.engine.prompt_logprobs(job.ids, job.prompt_logprobs))]
+                )
+            )
+        key = row_key(job.params.seed, job.choice)
+        prefilled = self.slots.prefill([(job.ids, job.params, key)], [job])
         self.metrics.prompt_tokens.inc(len(job.ids))
         self.metrics.ttft.observe(time.perf_counter() - job.arrived)
-        if self._deliver(job, tokens, done):
+        if self._deliver(prefilled.news[0]):
             return
-        slot = free.pop(0)
-        self.slots.insert(row, slot)
-        with self._wake:
-            self._running[slot] = job
+        self.slots.insert(prefilled, [free.pop(0)])
 
     def _release_cancelled(self) -> None:
-        with self._wake:
-            gone = [slot for slot, job in self._running.items() if job.cancelled]
-            for slot in gone:
-                del self._running[slot]
-                self.metrics.finished.labels("cancelled").inc()
-        if gone:
-            self.slots.release(gone)
+        gone = [slot for slot, job in self.slots.holders.items() if job.cancelled]
+        for _ in gone:
+            self.metrics.finished.labels("cancelled").inc()
+        self.slots.release(gone)
 
-    def _round(self) -> None:
-        self.slots.round()
-        news = self.slots.tokens()
-        rounds = int(news.rounds.max())
+    def _step(self) -> None:
+        news = self.slots.step()
+        rounds = max((n.rounds for n in news), default=0)
         self.metrics.rounds.inc(rounds)
         gained = 0
-        ended = []
-        for slot, job in list(self._running.items()):
-            ids = news.new(slot)
-            gained += len(ids)
-            if news.rounds[slot]:
-                self.metrics.acceptance.observe(len(ids) / news.rounds[slot])
-            if self._deliver(job, ids, bool(news.done[slot])):
-                ended.append(slot)
+        for n in news:
+            gained += len(n.ids)
+            if n.rounds:
+                self.metrics.acceptance.observe(len(n.ids) / n.rounds)
+            if self._deliver(n) and not n.done:  # cancelled meanwhile: its row still runs
+                self.slots.release([s for s, job in self.slots.holders.items() if job is n.holder])
         if rounds:
             self.metrics.per_round.observe(gained / rounds)
-        with self._wake:
-            for slot in ended:
-                self._running.pop(slot, None)
-        stopped_early = [s for s in ended if not news.done[s]]
-        if stopped_early:  # a stop token id the engine does not know: its row still runs
-            self.slots.release(stopped_early)
 
-    def _deliver(self, job: Job, ids: list[int], engine_done: bool) -> bool:
-        """Sends a job its new tokens; True when it has ended (an eos or stop id, the budget, a cancel)."""
+    def _deliver(self, news) -> bool:
+        """Sends a job its new tokens; True when it has ended (a stop or eos id, its budget, a cancel)."""
+        job: Job = news.holder
         if job.cancelled:
             self.metrics.finished.labels("cancelled").inc()
             return True
-        stop = next((i for i, t in enumerate(ids) if t in self.stop_ids or t in job.params.stop_token_ids), None)
-        kept = ids if stop is None else ids[:stop]
-        job.generated += len(ids) if stop is None else stop + 1
-        self.metrics.generated.inc(len(ids) if stop is None else stop + 1)
+        ids = news.ids
+        job.generated += len(ids)
+        self.metrics.generated.inc(len(ids))
+        stopped = news.done and bool(ids) and ids[-1] in job.stops
+        kept = ids[:-1] if stopped else ids
         if kept:
-            job.emit(Tokens(kept))
-        if stop is not None or engine_done or job.generated >= job.params.max_tokens:
-            self._end(job, "stop" if stop is not None else "length")
-            return True
-        return False
+            job.emit(Tokens(kept, _logprobs(news, job, len(kept))))
+        if news.done:
+            self._end(job, "stop" if stopped else "length")
+        return news.done
 
     def _end(self, job: Job, reason: str) -> None:
         self.metrics.finished.labels(reason).inc()
@@ -240,4 +231,21 @@ class Scheduler:
 
     def _gauges(self) -> None:
         self.metrics.queue.set(len(self._pending))
-        self.metrics.slots.set(len(self._running))
+        self.metrics.slots.set(len(self.slots.holders))
+
+
+def _token_logprob(entry) -> TokenLogprob:
+    logprob, top = entry
+    return TokenLogprob(logprob, tuple(top))
+
+
+def _logprobs(news, job: Job, count: int) -> list[TokenLogprob] | None:
+    """The first `count` of a news' tokens' log-probabilities, with the job's top n of them."""
+    if job.params.logprobs is None or news.logprobs is None:
+        return None
+    token, top_ids, top = news.logprobs
+    n = job.params.logprobs
+    return [
+        TokenLogprob(float(token[i]), tuple((int(t), float(v)) for t, v in zip(top_ids[i][:n], top[i][:n])))
+        for i in range(count)
+    ]

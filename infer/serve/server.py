@@ -20,7 +20,7 @@ from infer.serve.app import Served, create_app
 from infer.serve.metrics import ServerMetrics
 from infer.serve.scheduler import Scheduler
 from peagle_jax.cli import UsageError
-from peagle_jax.engine import Slots, SpeculativeDecoder
+from peagle_jax.engine import Engine, SamplingParams, Slots, row_key
 
 GRACE_S = 5  # how long open connections may take to close once a stop was asked for
 
@@ -37,11 +37,11 @@ def build(args):
         raise ValueError(f"{args.target}: serving needs the target's tokenizer files beside its weights")
     drafter = None if args.mode == "none" else load_head(args.drafter, target, args.mode or "parallel")
     mode = args.mode or drafter.config.mode
-    decoder = SpeculativeDecoder(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k)
-    slots = Slots(decoder, args.max_batch, args.max_len, args.rounds_per_step)
+    engine = Engine(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k)
+    slots = Slots(engine, args.max_batch, args.max_len, args.rounds_per_step)
     if slots.max_new_tokens(1) < 1:
         raise UsageError(f"--max-len {args.max_len}: a slot cannot hold a 1-token prompt and one round of k={args.k}")
-    scheduler = Scheduler(slots, args.max_queue, ServerMetrics(decoder.k, slots.batch))
+    scheduler = Scheduler(slots, args.max_queue, ServerMetrics(engine.k, slots.batch))
     status(
         f"loaded in {time.perf_counter() - t0:.1f}s; compiling the steps, the insert and the first prompt bucket ..."
     )
@@ -53,15 +53,14 @@ def build(args):
     return served, scheduler
 
 
-def warm_up(slots) -> None:
-    """Compiles what every request runs (a step at each row count), on a slot left free again."""
-    row = slots.prefill([0], 1)
-    slots.first_tokens(row)
-    slots.insert(row, 0)
+def warm_up(slots: Slots) -> None:
+    """Compiles what every request runs (its prefill at the first bucket, its insert, a step at
+    each row count), on a slot left free again."""
+    params = SamplingParams(2, ignore_eos=True)  # its first token cannot end it: the insert runs
+    slots.insert(slots.prefill([([0], params, row_key(0, 0))], [None]), [0])
     slots.release([0])
     for rows in slots.row_counts():
-        slots.round(rows)
-    slots.tokens()
+        slots.step(rows)
 
 
 def serve(args) -> int:
@@ -80,7 +79,7 @@ def serve(args) -> int:
     scheduler.start()
     status(
         f"serving {served.model!r} on http://{args.host}:{args.port} ({scheduler.slots.batch} slots x "
-        f"{scheduler.slots.length} positions, k={scheduler.slots.cfg.k}, mode {scheduler.slots.cfg.mode})"
+        f"{scheduler.slots.length} positions, k={scheduler.slots.engine.k}, mode {scheduler.slots.engine.mode})"
     )
     try:
         server.run()

@@ -11,22 +11,17 @@ prompt and cache lengths to multiples of 64), so repeated calls reuse compiled c
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from peagle_jax import chat
-from peagle_jax.config import NUM_AUX, TargetConfig, validate_aux_layer_ids
-from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.engine import cache as kv
-from peagle_jax.engine import speculative as sp
-from peagle_jax.sharding import ROLES, role_sharding, shard_state
+from peagle_jax.engine.engine import Engine, check_depth, check_int
+from peagle_jax.engine.sampling import SEED_MAX, SamplingParams
 
 Prompt = Sequence[int] | str | Sequence[dict]
 
@@ -36,42 +31,17 @@ class GenerationResult:
     tokens: list[list[int]]  # the new tokens of each prompt
     stats: dict[str, Any]
     texts: list[str] | None = None
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]]] | None = None  # asked with logprobs=N
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _rows_on_mesh(mesh, *arrays):
-    """The arrays as device arrays, their rows split over the mesh's batch axes (data x fsdp, as the
-    train step splits its batch) when those divide them; else placed as jit places them."""
-    if mesh is not None:
-        shards = math.prod(mesh.shape[a] for a in ROLES["batch"][0])
-        if shards > 1 and arrays[0].shape[0] % shards == 0:
-            return tuple(jax.device_put(a, role_sharding(mesh, "batch", a.ndim)) for a in arrays)
-    return tuple(jnp.asarray(a) for a in arrays)
-
-
-def _param_dtype(state):
-    """The floating dtype of a model's parameters (its KV caches use the same)."""
-    return next(x.dtype for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating))
-
-
-DEEP_K = ("error", "warn")
-
-
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
-def check_int(name: str, value, minimum: int) -> int:
-    """`value` as an int >= minimum; ValueError naming `name` for floats, bools, or smaller values."""
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
-
-
-SEED_MAX = 2**63 - 1  # jax.random.key takes a C long (int64): larger seeds raise OverflowError
 SEED_RANGE = "[0, 2**63 - 1]"
 
 
@@ -80,62 +50,6 @@ def check_seed(seed) -> int:
     if not _is_int(seed) or not 0 <= seed <= SEED_MAX:
         raise ValueError(f"seed must be an integer in {SEED_RANGE} (what jax.random.key accepts), got {seed!r}")
     return int(seed)
-
-
-def check_handles(target, drafter) -> None:
-    """TypeError naming the argument when `target` is no Target (a `.config` TargetConfig) or
-    `drafter` no Drafter (a `.config` DrafterConfig), e.g. a Target passed as the drafter."""
-    if not isinstance(getattr(target, "config", None), TargetConfig):
-        raise TypeError(f"target: expected a Target (peagle_jax.load_target), got {_shown(target)}")
-    if drafter is not None and not isinstance(getattr(drafter, "config", None), DrafterConfig):
-        raise TypeError(
-            f"drafter: expected a Drafter (peagle_jax.load_drafter / new_drafter) or None, got {_shown(drafter)}"
-        )
-
-
-def _shown(x) -> str:
-    text = repr(x)
-    return f"{type(x).__name__} {text[:80] + '...' if len(text) > 80 else text}"
-
-
-def check_sampling(temperature, top_p) -> tuple[float, float]:
-    """(temperature, top_p) as floats: temperature finite and >= 0 (0 = greedy), 0 < top_p <= 1."""
-    try:
-        t, p = float(temperature), float(top_p)
-    except (TypeError, ValueError):
-        raise ValueError(f"temperature and top_p must be numbers, got {temperature!r}, {top_p!r}") from None
-    if not math.isfinite(t) or t < 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
-    if not math.isfinite(p) or not 0 < p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    return t, p
-
-
-class DepthError(ValueError):
-    """k too deep for the KV cache: no call could hold one round (the CLIs make it a usage error)."""
-
-
-def largest_k(positions: int) -> int:
-    """The deepest k whose smallest call (a 1-token prompt, 1 new token) fits `positions` KV-cache
-    slots: `kv.length_for(1, 1, k)` = 2k + 4 <= positions."""
-    return (int(positions) - kv.length_for(1, 1)) // 2
-
-
-def check_depth(k: int, cache_len: int | None, max_position_embeddings: int) -> None:
-    """DepthError naming k and the cache length when even the smallest call cannot hold one round
-    of k drafts: the KV cache is `cache_len` when fixed, and never sized for more than the
-    target's context (`max_position_embeddings`)."""
-    if cache_len is not None and cache_len < max_position_embeddings:
-        limit, what = cache_len, f"the KV cache of cache_len={cache_len} positions"
-    else:
-        limit, what = max_position_embeddings, f"the target's max_position_embeddings={max_position_embeddings}"
-    need = kv.length_for(1, 1, k)
-    if need > limit:
-        raise DepthError(
-            f"k={k} does not fit {what}: one round writes k+1 target and up to 2k drafter cache slots past "
-            f"the last token, so even a 1-token prompt and 1 new token need 2k+4={need} positions; "
-            f"the largest k is {max(largest_k(limit), 0)}"
-        )
 
 
 def _token_ids(prompt, where: str) -> list[int]:
@@ -181,16 +95,14 @@ def as_prompt_list(prompts) -> list:
 
 
 class SpeculativeDecoder:
-    """Speculative decoding of `target` with `drafter` ("parallel" | "chain" | "dflash"), or
-    plain decoding ("none", drafter unused). `mode` None: "dflash" for a DFlash head (the only
-    mode it drafts in), else "parallel".
+    """Generation on an `Engine`: prompts (token ids, strings or conversations) tokenized with the
+    target's tokenizer, batched (rows to a power of two, prompts right-padded to a multiple of
+    `prompt_pad`: a larger value = fewer compiles over varied prompts), decoded in one device loop.
 
-    k: drafts per round (a DFlash head: 1 <= k <= block_size - 1, the first k of its block); DepthError (a ValueError) when no call could hold one round of k drafts
-    in the KV cache (`check_depth`). `deep_k`: what to do when k exceeds the depth the drafter was
-    trained for ("error" or "warn"). `cache_len`: fixed KV cache length (default: sized per
-    call from the prompts and max_new_tokens). `prompt_pad`: prompts are right-padded to a
-    multiple of it (a larger value = fewer compiles over varied prompts). `eos_ids`: tokens
-    that end a row (default: the target config's eos_token_id).
+    target, drafter, k, mode, deep_k, eos_ids: the `Engine`'s (DepthError, a ValueError, when no
+    call could hold one round of k drafts). `cache_len`: fixed KV cache length (default: sized per
+    call from the prompts and max_new_tokens). Sampling settings and stop ids are data: calls with
+    other temperatures, top-p or stop sets reuse the compiled programs.
 
     Aux layers: the drafter's `aux_layer_ids` decide (they are what it was trained on); a head
     that records none (a vLLM folder without the key) reads the target's default ids, as vLLM
@@ -209,158 +121,80 @@ class SpeculativeDecoder:
         prompt_pad: int = 64,
         eos_ids: Sequence[int] | None = None,
     ):
-        check_handles(target, drafter)
-        if mode is None:
-            mode = "dflash" if drafter is not None and drafter.config.mode == "dflash" else "parallel"
-        if mode not in sp.MODES:
-            raise ValueError(f"mode must be one of {sp.MODES}, got {mode!r}")
-        if deep_k not in DEEP_K:
-            raise ValueError(f"deep_k must be one of {DEEP_K}, got {deep_k!r}")
-        self.target, self.drafter, self.mode = target, drafter, mode
-        self.k = 0 if mode == "none" else check_int("k", k, 1)
+        eos = None if eos_ids is None else _token_ids(eos_ids, "eos_ids")
+        self.engine = Engine(target, drafter, k, mode, deep_k=deep_k, eos_ids=eos)
+        self.drafter = drafter
         self.cache_len = None if cache_len is None else check_int("cache_len", cache_len, 1)
+        if self.mode != "none":
+            check_depth(self.k, self.cache_len, target.config.max_position_embeddings)
         self.prompt_pad = check_int("prompt_pad", prompt_pad, 1)
-        tcfg = target.config
-        self.aux_layer_ids, self.aux_layer_ids_from = tuple(target.aux_layer_ids), "target"
-        if mode != "none":
-            check_depth(self.k, self.cache_len, tcfg.max_position_embeddings)  # before any compile
-            if drafter is None:
-                raise ValueError(f"mode {mode!r} needs a drafter")
-            self._check_drafter(drafter.config, tcfg, deep_k)
-            if drafter.config.aux_layer_ids is not None:
-                self.aux_layer_ids, self.aux_layer_ids_from = drafter.config.aux_layer_ids, "drafter"
-            else:
-                self.aux_layer_ids, self.aux_layer_ids_from = tcfg.default_aux_layer_ids(), "target default"
-            mesh = getattr(target, "mesh", None)
-            if mesh is not None:  # the drafter runs beside the target: same devices, same rules
-                drafter.state = shard_state(drafter.state, mesh)
-        default_eos = getattr(target, "eos_token_ids", tcfg.eos_token_id)  # config + generation_config
-        self.eos_ids = tuple(default_eos if eos_ids is None else _token_ids(eos_ids, "eos_ids"))
 
-    def _check_drafter(self, dcfg, tcfg, deep_k: str) -> None:
-        if dcfg.target_hidden_size != tcfg.hidden_size:
-            raise ValueError(
-                f"drafter reads target hidden size {dcfg.target_hidden_size}, target has {tcfg.hidden_size}"
-            )
-        if dcfg.vocab_size != tcfg.vocab_size:
-            raise ValueError(f"drafter vocabulary {dcfg.vocab_size} != target vocabulary {tcfg.vocab_size}")
-        dflash = dcfg.mode == "dflash"
-        if dcfg.aux_layer_ids is not None:
-            count = None if dflash else NUM_AUX  # a DFlash head reads one context layer per head layer
-            validate_aux_layer_ids(dcfg.aux_layer_ids, tcfg.num_layers, "the drafter's aux_layer_ids", count=count)
-        if dflash != (self.mode == "dflash"):
-            raise ValueError(f"a {dcfg.mode!r} head cannot draft in mode {self.mode!r} (a DFlash head: mode 'dflash')")
-        if dflash and self.k > dcfg.block_size - 1:
-            raise ValueError(
-                f"k={self.k} exceeds what this DFlash head drafts in one pass: block_size {dcfg.block_size} "
-                f"gives at most k={dcfg.block_size - 1}"
-            )
-        if self.mode == "parallel" and dcfg.mask_token_id is None:
-            raise ValueError("parallel drafting needs a drafter with a mask_token_id")
-        if dcfg.k_train is not None and self.k > dcfg.k_train:
-            msg = f"k={self.k} exceeds the drafter's trained depth k_train={dcfg.k_train}"
-            if deep_k == "error":
-                raise ValueError(msg + " (to run anyway: deep_k='warn' in Python, --deep-k warn on the command line)")
-            warnings.warn(msg, stacklevel=3)
+    @property
+    def target(self):
+        return self.engine.target
 
-    # ---------------------------------------------------------------- batching
+    @property
+    def mode(self) -> str:
+        return self.engine.mode
 
-    def _batch(self, prompts, max_new_tokens: int):
-        ids = [prompt_tokens(self.target.tokenizer, p, f"prompt {i}") for i, p in enumerate(as_prompt_list(prompts))]
-        if not ids:
-            raise ValueError("no prompts")
-        vocab = self.target.config.vocab_size
-        for i, row in enumerate(ids):
-            if not row:
-                raise ValueError(f"prompt {i} is empty")
-            check_vocab(row, vocab, f"prompt {i}")
-        longest = max(len(r) for r in ids)
-        need = kv.length_for(longest, max_new_tokens, self.k)
-        cache_len = self.cache_len or kv.bucket_length(longest, max_new_tokens, self.k)
-        if need > cache_len:
-            raise ValueError(
-                f"prompt of {longest} tokens + {max_new_tokens} new tokens + 2k={2 * self.k} "
-                f"does not fit the KV cache of {cache_len} positions"
-            )
-        limit = self.target.config.max_position_embeddings
-        if longest + max_new_tokens > limit:
-            raise ValueError(
-                f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the "
-                f"target's max_position_embeddings={limit}"
-            )
-        b = _pow2(len(ids))
-        p = min(kv.round_up(longest, self.prompt_pad), cache_len)
-        prompt = np.zeros((b, p), np.int32)
-        lens = np.zeros((b,), np.int32)
-        for i, row in enumerate(ids):
-            prompt[i, : len(row)] = row
-            lens[i] = len(row)
-        prompt, lens = _rows_on_mesh(getattr(self.target, "mesh", None), prompt, lens)
-        return ids, prompt, lens, cache_len
+    @property
+    def k(self) -> int:
+        return self.engine.k
 
-    def engine_config(self, temperature: float = 0.0, top_p: float = 1.0, stop_token_ids=None) -> sp.EngineConfig:
-        """The engine's static settings: this decoder's K, mode and aux ids, the sampling of a
-        call, and the stop ids (the eos ids, plus `stop_token_ids`)."""
-        stops = self.eos_ids
-        if stop_token_ids is not None:
-            extra = _token_ids(stop_token_ids, "stop_token_ids")
-            check_vocab(extra, self.target.config.vocab_size, "stop_token_ids")
-            stops = tuple(sorted(set(stops) | set(extra)))
-        return sp.EngineConfig(
-            k=self.k,
-            mode=self.mode,
-            aux_layer_ids=self.aux_layer_ids,
-            eos_ids=stops,
-            temperature=temperature,
-            top_p=top_p,
-            mesh=getattr(self.target, "mesh", None),
-        )
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        return self.engine.eos_ids
 
-    def cache_specs(self, batch: int, cache_len: int) -> tuple:
-        """(target, drafter) cache specs (`peagle_jax.engine.cache.spec`) of `batch` rows of
-        `cache_len` positions, in the parameters' dtypes; the drafter's is None in mode "none"."""
-        _, tstate, _, dstate = self.modules()
-        tspec = kv.spec(self.target.config, batch, cache_len, _param_dtype(tstate))
-        if self.mode == "none":
-            return tspec, None
-        dlen = kv.drafter_length(self.drafter.config, cache_len, self.k)
-        return tspec, kv.spec(self.drafter.config, batch, dlen, _param_dtype(dstate))
+    @property
+    def aux_layer_ids(self) -> tuple[int, ...]:
+        return self.engine.config.aux_layer_ids
+
+    @property
+    def aux_layer_ids_from(self) -> str:
+        return self.engine.aux_layer_ids_from
 
     def modules(self) -> tuple:
-        """(target graphdef, target state, drafter graphdef, drafter state): the engine's
-        arguments (the drafter pair is None in mode "none")."""
-        d = self.drafter if self.mode != "none" else None
-        return (
-            self.target.graphdef,
-            self.target.state,
-            None if d is None else d.graphdef,
-            None if d is None else d.state,
-        )
+        return self.engine.modules()
 
     # ---------------------------------------------------------------- public calls
 
-    def start(
-        self,
-        prompts,
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop_token_ids: Sequence[int] | None = None,
-    ):
-        """(engine config, prompt ids, prefilled DecodeState): the first step of `generate`."""
+    def _prompts(self, prompts) -> list[list[int]]:
+        ids = [prompt_tokens(self.target.tokenizer, p, f"prompt {i}") for i, p in enumerate(as_prompt_list(prompts))]
+        if not ids:
+            raise ValueError("no prompts")
+        for i, row in enumerate(ids):
+            if not row:
+                raise ValueError(f"prompt {i} is empty")
+            check_vocab(row, self.target.config.vocab_size, f"prompt {i}")
+        return ids
+
+    def params(self, max_new_tokens, temperature=0.0, top_p=1.0, seed=0, stop_token_ids=None, **more) -> SamplingParams:
+        """One call's SamplingParams (ValueError naming the value that is off); `more`: the
+        other SamplingParams fields (top_k, min_p, penalties, min_tokens, ignore_eos, logprobs,
+        logit_bias)."""
         max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
-        temperature, top_p = check_sampling(temperature, top_p)
-        seed = check_seed(seed)
-        ids, prompt, lens, cache_len = self._batch(prompts, max_new_tokens)
-        cfg = self.engine_config(temperature, top_p, stop_token_ids)
-        tdef, tstate, ddef, dstate = self.modules()
-        tspec, dspec = self.cache_specs(prompt.shape[0], cache_len)
-        budget = jnp.full(lens.shape, max_new_tokens, jnp.int32)
-        state = sp.jit_prefill(
-            cfg, tdef, tstate, ddef, dstate, prompt, lens, budget, tspec, dspec, jax.random.key(seed)
+        stops = () if stop_token_ids is None else tuple(_token_ids(stop_token_ids, "stop_token_ids"))
+        check_vocab(stops, self.target.config.vocab_size, "stop_token_ids")
+        fields = {f.name for f in dataclasses.fields(SamplingParams)} - {"max_tokens", "stop_token_ids"}
+        unknown = sorted(set(more) - fields)
+        if unknown:
+            raise TypeError(f"unknown sampling settings {unknown}; known: {sorted(fields)}")
+        bias = tuple((int(t), float(b)) for t, b in dict(more.pop("logit_bias", None) or {}).items())
+        check_vocab([t for t, _ in bias], self.target.config.vocab_size, "logit_bias")
+        return SamplingParams(
+            max_new_tokens, temperature, top_p, seed=seed, stop_token_ids=stops, logit_bias=bias, **more
         )
-        return cfg, ids, state
+
+    def start(self, prompts, max_new_tokens: int, temperature=0.0, top_p=1.0, seed=0, stop_token_ids=None, **more):
+        """(engine config, prompt ids, prefilled DecodeState): the first step of `generate`;
+        `more`: the other SamplingParams fields (see `params`)."""
+        params = self.params(max_new_tokens, temperature, top_p, seed, stop_token_ids, **more)
+        ids = self._prompts(prompts)
+        longest = max(len(r) for r in ids)
+        length = self.cache_len or kv.bucket_length(longest, params.max_tokens, self.k)
+        engine = self.engine.with_records(params.logprobs, params.penalized)
+        state = engine.prefill(ids, [params] * len(ids), length, rows=_pow2(len(ids)), pad=self.prompt_pad)
+        return engine.config, ids, state
 
     def generate(
         self,
@@ -370,17 +204,26 @@ class SpeculativeDecoder:
         top_p: float = 1.0,
         seed: int = 0,
         stop_token_ids: Sequence[int] | None = None,
+        **more,
     ) -> GenerationResult:
         """Decode every prompt (see `as_prompt_list` for the accepted forms) until an eos id,
-        one of `stop_token_ids` (this call only, added to the target's eos ids; each distinct
-        set compiles once), or `max_new_tokens`. Stop tokens are kept in the output."""
+        one of `stop_token_ids` (this call only, added to the target's eos ids), or
+        `max_new_tokens`. Stop tokens are kept in the output. Prompt i samples with the key
+        `sampling.row_key(seed, i)`. `more`: the other SamplingParams fields (top_k, min_p,
+        presence_penalty, frequency_penalty, repetition_penalty, min_tokens, ignore_eos,
+        logit_bias as {id: bias}, logprobs: the result's `logprobs` then holds, per prompt and
+        token, (its log-probability under the target, [(id, log-probability)] of the `logprobs`
+        most likely tokens))."""
         start = time.perf_counter()
-        cfg, ids, state = self.start(prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids)
-        state = sp.jit_generate(cfg, *self.modules(), state)
-        out, out_len, rounds, hist = jax.device_get((state.out, state.out_len, state.rounds, state.accept_hist))
+        cfg, ids, state = self.start(prompts, max_new_tokens, temperature, top_p, seed, stop_token_ids, **more)
+        engine = self.engine.with_records(cfg.logprobs, cfg.penalties)
+        state = engine.run(state)
+        got = jax.device_get((state.out, state.out_len, state.rounds, state.accepted, state.logprobs))
+        out, out_len, rounds, accepted, record = got
         seconds = time.perf_counter() - start
-        tokens = [out[i, : out_len[i]].tolist() for i in range(len(ids))]
-        stats = acceptance_stats(hist, int(rounds[: len(ids)].sum()))
+        n = len(ids)
+        tokens = [out[i, : out_len[i]].tolist() for i in range(n)]
+        stats = acceptance_stats(accepted[:n].sum(axis=0), int(rounds[:n].sum()))
         new_tokens = sum(len(t) for t in tokens)
         stats.update(
             new_tokens=new_tokens,
@@ -391,13 +234,21 @@ class SpeculativeDecoder:
         )
         tok = self.target.tokenizer
         texts = [tok.decode(t, skip_special_tokens=True) for t in tokens] if tok is not None else None
-        return GenerationResult(tokens=tokens, stats=stats, texts=texts)
+        logprobs = None if record is None else [token_logprobs(record, i, int(out_len[i])) for i in range(n)]
+        return GenerationResult(tokens=tokens, stats=stats, texts=texts, logprobs=logprobs)
 
     def propose(self, prompt_ids: Prompt) -> list[int]:
         """Greedy: target prefill, its next token b, one draft pass -> [b, d1, ..., dK]."""
         _, _, state = self.start([prompt_ids], max_new_tokens=1)
         first, drafts = jax.device_get((state.out[0, 0], state.drafts[0]))
         return [int(first), *map(int, drafts)]
+
+
+def token_logprobs(record, row: int, count: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """Row `row`'s first `count` tokens' (log-probability, [(id, log-probability)] of the top
+    ones) from a state's `Logprobs` on the host."""
+    token, top_ids, top = (np.asarray(x)[row, :count] for x in record)
+    return [(float(token[i]), [(int(t), float(v)) for t, v in zip(top_ids[i], top[i])]) for i in range(count)]
 
 
 def generate_greedy(

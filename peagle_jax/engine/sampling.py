@@ -18,6 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 
 SEED_MAX = 2**63 - 1  # jax.random.key takes a C long (int64)
 
@@ -84,3 +89,85 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return (self.presence_penalty, self.frequency_penalty, self.repetition_penalty) != (0.0, 0.0, 1.0)
+
+
+STOP_WIDTH = 8  # stop ids a row holds (eos ids and stop_token_ids), at least: wider sets round up to a power of two
+
+
+def _width(n: int, least: int) -> int:
+    return 0 if n == 0 and least == 0 else max(least, 1 << max(0, (n - 1).bit_length()))
+
+
+class Sampling(NamedTuple):
+    """The rows' SamplingParams as device arrays (traced: no compile per value), and each row's
+    own key, so a row's draws never depend on the other rows. Padded entries are -1."""
+
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_p: jax.Array  # [B] f32
+    top_k: jax.Array  # [B] i32, 0 = off
+    min_p: jax.Array  # [B] f32
+    presence: jax.Array  # [B] f32
+    frequency: jax.Array  # [B] f32
+    repetition: jax.Array  # [B] f32
+    min_tokens: jax.Array  # [B] i32
+    logprobs: jax.Array  # [B] i32, -1 = off
+    stop_ids: jax.Array  # [B, S] i32: the ids that end the row (its eos ids unless ignore_eos, and its stop ids)
+    bias_ids: jax.Array  # [B, NB] i32
+    bias: jax.Array  # [B, NB] f32
+    key: jax.Array  # [B] typed PRNG keys
+
+
+def row_key(seed: int, index: int) -> jax.Array:
+    """The key of row `index` of a call seeded `seed` (a request's choices, a batch's prompts):
+    `generate([p], seed=s)` and a server request of seed s draw alike."""
+    return jax.random.fold_in(jax.random.key(seed), index)
+
+
+def stop_ids(params: SamplingParams, eos_ids) -> list[int]:
+    """The ids that end a row: its stop_token_ids, and the eos ids unless ignore_eos."""
+    return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids)))
+
+
+def sampling_rows(params: list[SamplingParams], eos_ids, rows: int, keys: list, stop_width=None, bias_width=None):
+    """Sampling arrays of `rows` rows: one per params (with its key), then greedy padding rows.
+    Stop ids and logit biases are padded to `stop_width` / `bias_width` entries (None: the
+    smallest power of two that holds them, at least STOP_WIDTH stop ids); ValueError when a row
+    holds more than a given width (a state's rows all have its widths)."""
+    stops = [stop_ids(p, eos_ids) for p in params]
+    most_stops = max((len(s) for s in stops), default=0)
+    most_biases = max((len(p.logit_bias) for p in params), default=0)
+    s_width = _width(most_stops, STOP_WIDTH) if stop_width is None else stop_width
+    b_width = _width(most_biases, 0) if bias_width is None else bias_width
+    if most_stops > s_width or most_biases > b_width:
+        raise ValueError(
+            f"a row holds {most_stops} stop ids (eos ids included) and {most_biases} logit biases; "
+            f"at most {s_width} and {b_width} fit"
+        )
+    table = np.full((rows, s_width), -1, np.int32)
+    bias_ids, bias = np.full((rows, b_width), -1, np.int32), np.zeros((rows, b_width), np.float32)
+    for i, (p, s) in enumerate(zip(params, stops)):
+        table[i, : len(s)] = s
+        for j, (t, b) in enumerate(p.logit_bias):
+            bias_ids[i, j], bias[i, j] = t, b
+
+    def column(name, fill, dtype, value=lambda p, name: getattr(p, name)):
+        col = np.full((rows,), fill, dtype)
+        col[: len(params)] = [value(p, name) for p in params]
+        return jnp.asarray(col)
+
+    pad_keys = [jax.random.key(0)] * (rows - len(keys))
+    return Sampling(
+        temperature=column("temperature", 0.0, np.float32),
+        top_p=column("top_p", 1.0, np.float32),
+        top_k=column("top_k", 0, np.int32),
+        min_p=column("min_p", 0.0, np.float32),
+        presence=column("presence_penalty", 0.0, np.float32),
+        frequency=column("frequency_penalty", 0.0, np.float32),
+        repetition=column("repetition_penalty", 1.0, np.float32),
+        min_tokens=column("min_tokens", 0, np.int32),
+        logprobs=column("logprobs", -1, np.int32, lambda p, _: -1 if p.logprobs is None else p.logprobs),
+        stop_ids=jnp.asarray(table),
+        bias_ids=jnp.asarray(bias_ids),
+        bias=jnp.asarray(bias),
+        key=jnp.stack([*keys, *pad_keys]),
+    )

@@ -11,7 +11,9 @@ drafts survive plus a bonus token, then the drafter proposes the next K drafts:
   - "none": K = 0, plain autoregressive decoding on the same engine (the baseline).
 Everything is static-shaped: rows that finished keep running with position -1 (no cache
 writes) and their outputs are ignored. Caches are position-indexed, so rejected slots of a
-round are simply overwritten by the next one.
+round are simply overwritten by the next one. Every row carries its own sampling settings, key
+and stop ids (`sampling.Sampling`, traced data: `sampler` decides what each row accepts), so
+one compiled round serves every request; only what changes shapes is static (`EngineConfig`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,17 @@ from flax import nnx
 
 import kernels
 from peagle_jax.engine import cache as kv
+from peagle_jax.engine.sampler import (
+    Logprobs,
+    accept_rows,
+    count_tokens,
+    empty_logprobs,
+    pick_rows,
+    processed_logits,
+    prompt_tokens_seen,
+    record_logprobs,
+)
+from peagle_jax.engine.sampling import Sampling
 from peagle_jax.models.drafter import draft_to_target
 from peagle_jax.sharding import kernels_partitioned
 
@@ -34,15 +47,15 @@ MODES = ("parallel", "chain", "dflash", "none")
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Static settings of one compiled engine (hashable: a jit static argument)."""
+    """Static settings of one compiled engine (hashable: a jit static argument): only what changes
+    the programs' shapes. Sampling settings and stop ids are per-row data (`sampling.Sampling`)."""
 
     k: int
     mode: str
     aux_layer_ids: tuple[int, ...]
-    eos_ids: tuple[int, ...] = ()
-    temperature: float = 0.0
-    top_p: float = 1.0
     mesh: jax.sharding.Mesh | None = None  # the target's mesh: the Pallas kernels run per shard of it
+    logprobs: int | None = None  # None: no log-probabilities kept; n: each token's and its top n
+    penalties: bool = False  # the state counts each row's tokens (presence / frequency / repetition)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -52,26 +65,10 @@ class EngineConfig:
         if self.mode != "none" and self.k < 1:
             raise ValueError(f"k must be >= 1 for mode {self.mode!r}, got {self.k}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-class RowSampling(NamedTuple):
-    """Sampling settings of each row, traced (rows of one batch may differ, no recompile per
-    value), and each row's own key: a row's draws never depend on the other rows."""
-
-    temperature: jax.Array  # [B] f32, 0 = greedy
-    top_p: jax.Array  # [B] f32 in (0, 1]
-    key: jax.Array  # [B] typed PRNG keys
-
-
-# DecodeState fields indexed by row (the others, key and accept_hist, belong to the whole batch)
-ROW_FIELDS = ("target_cache", "drafter_cache", "length", "last", "drafts", "done", "out", "out_len", "budget")
-ROW_FIELDS += ("rounds", "sampling")
-
 
 class DecodeState(NamedTuple):
+    """Every field is indexed by row first: rows move between states whole (`Slots`)."""
+
     target_cache: tuple
     drafter_cache: tuple | None
     length: jax.Array  # [B] tokens committed to the target cache (positions 0..length-1)
@@ -81,111 +78,12 @@ class DecodeState(NamedTuple):
     out: jax.Array  # [B, L] generated tokens (L = the cache length: room for a final overshoot)
     out_len: jax.Array  # [B]
     budget: jax.Array  # [B] max new tokens of each row (traced: no recompile per value)
-    key: jax.Array
     rounds: jax.Array  # [B] verification rounds each row took part in
-    accept_hist: jax.Array  # [K + 1] how many active rounds accepted n drafts, summed over rows
-    sampling: RowSampling | None = None  # per-row sampling (a server's slots); None: the EngineConfig's
-
-
-# ---------------------------------------------------------------- sampling and acceptance
-
-
-def warp_probs(logits: jax.Array, temperature: float, top_p: float) -> jax.Array:
-    """Target sampling distribution: temperature, then nucleus (top-p) filtering.
-    temperature and top_p: numbers, or arrays broadcasting against logits' [..., 1]."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32) / temperature, axis=-1)
-    if isinstance(top_p, (int, float)) and top_p >= 1.0:
-        return probs
-    sorted_p = -jnp.sort(-probs, axis=-1)
-    # keep a token if the mass strictly before it is below top_p (the top token always stays);
-    # ties at the cut-off are all kept, identically in every mode; top_p = 1 keeps every token
-    keep_sorted = ((jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p) | (top_p >= 1.0)
-    cutoff = jnp.min(jnp.where(keep_sorted, sorted_p, jnp.inf), axis=-1, keepdims=True)
-    filtered = jnp.where(probs >= cutoff, probs, 0.0)
-    return filtered / jnp.sum(filtered, axis=-1, keepdims=True)
-
-
-def accept_greedy(logits: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Longest prefix of drafts equal to the target's argmax, plus its bonus token.
-
-    logits [B, K+1, V], drafts [B, K] -> (n accepted [B], bonus [B]).
-    """
-    choice = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    n = jnp.sum(jnp.cumprod(drafts == choice[:, :-1], axis=-1), axis=-1).astype(jnp.int32)
-    return n, jnp.take_along_axis(choice, n[:, None], axis=1)[:, 0]
-
-
-def accept_rejection(
-    probs: jax.Array, drafts: jax.Array, draft_probs: jax.Array | None, key: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Speculative rejection sampling (lossless).
-
-    probs [B, K+1, V] target; draft_probs [B, K, V] the drafter's q (None = greedy drafts,
-    i.e. one-hot q). Accept d_i with prob min(1, p(d)/q(d)); at the first rejection sample
-    from norm(max(0, p - q)); if all K survive, sample the bonus from p at slot K.
-    """
-    b, k1, v = probs.shape
-    k = k1 - 1
-    if draft_probs is None:
-        draft_probs = jax.nn.one_hot(drafts, v, dtype=probs.dtype)
-    p_d = jnp.take_along_axis(probs[:, :k], drafts[..., None], axis=-1)[..., 0]
-    q_d = jnp.take_along_axis(draft_probs, drafts[..., None], axis=-1)[..., 0]
-    key_u, key_s = jax.random.split(key)
-    u = jax.random.uniform(key_u, (b, k))
-    accepted = u * q_d < p_d  # u < min(1, p/q) without dividing by zero
-    n = jnp.sum(jnp.cumprod(accepted, axis=-1), axis=-1).astype(jnp.int32)
-    residual = jnp.maximum(probs[:, :k] - draft_probs, 0.0)
-    residual = jnp.concatenate([residual, probs[:, k:]], axis=1)  # slot K: plain p
-    pick = jnp.take_along_axis(residual, n[:, None, None], axis=1)[:, 0]
-    mass = jnp.sum(pick, axis=-1, keepdims=True)
-    fallback = jnp.take_along_axis(probs, n[:, None, None], axis=1)[:, 0]  # p == q exactly
-    pick = jnp.where(mass > 0, pick / jnp.where(mass > 0, mass, 1.0), fallback)
-    bonus = jax.random.categorical(key_s, jnp.log(pick), axis=-1).astype(jnp.int32)
-    return n, bonus
-
-
-def _split_rows(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Each row's key split in two: (the row's next key [B], a key to draw with now [B])."""
-    pairs = jax.vmap(jax.random.split)(keys)
-    return pairs[:, 0], pairs[:, 1]
-
-
-def _rows_probs(logits: jax.Array, s: RowSampling) -> jax.Array:
-    """`warp_probs` per row; greedy rows get temperature 1 (their draws are not used)."""
-    shape = (-1,) + (1,) * (logits.ndim - 1)
-    temperature = jnp.where(s.temperature > 0, s.temperature, 1.0).reshape(shape)
-    return warp_probs(logits, temperature, s.top_p.reshape(shape))
-
-
-def accept_rows(logits: jax.Array, drafts: jax.Array, s: RowSampling) -> tuple[jax.Array, jax.Array, RowSampling]:
-    """Acceptance with per-row sampling: greedy rows (temperature 0) by `accept_greedy`, the
-    others by `accept_rejection` with each row's own key. The sampled path runs only when some
-    row samples. Returns (n [B], bonus [B], the rows' next sampling state)."""
-    n_greedy, bonus_greedy = accept_greedy(logits, drafts)
-    keys, draw = _split_rows(s.key)
-
-    def sampled(_):
-        probs = _rows_probs(logits, s)
-        row = jax.vmap(lambda p, d, k: accept_rejection(p[None], d[None], None, k))
-        n, bonus = row(probs, drafts, draw)
-        return n[:, 0], bonus[:, 0]
-
-    n, bonus = jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: (n_greedy, bonus_greedy), None)
-    greedy = s.temperature == 0
-    return jnp.where(greedy, n_greedy, n), jnp.where(greedy, bonus_greedy, bonus), s._replace(key=keys)
-
-
-def pick_rows(logits: jax.Array, s: RowSampling) -> tuple[jax.Array, RowSampling]:
-    """One token per row of logits [B, V] under per-row sampling, and the rows' next state."""
-    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    keys, draw = _split_rows(s.key)
-
-    def sampled(_):
-        probs = _rows_probs(logits, s)
-        return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(draw, probs).astype(jnp.int32)
-
-    ids = jax.lax.cond(jnp.any(s.temperature > 0), sampled, lambda _: greedy_ids, None)
-    return jnp.where(s.temperature == 0, greedy_ids, ids), s._replace(key=keys)
+    accepted: jax.Array  # [B, K + 1] how many of the row's rounds accepted n drafts
+    sampling: Sampling  # [B] each row's settings, stop ids and key
+    counts: jax.Array | None = None  # [B, V] times each token was generated (cfg.penalties)
+    seen: jax.Array | None = None  # [B, V] the prompt's tokens (cfg.penalties)
+    logprobs: Logprobs | None = None  # [B, L] per emitted token (cfg.logprobs)
 
 
 # ---------------------------------------------------------------- drafting
@@ -273,38 +171,32 @@ def draft(cfg: EngineConfig, drafter, tokens, aux, positions, bonus_slot, cache)
 # ---------------------------------------------------------------- prefill and rounds
 
 
-def _pick_token(cfg: EngineConfig, logits: jax.Array, key: jax.Array) -> jax.Array:
-    if cfg.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    probs = warp_probs(logits, cfg.temperature, cfg.top_p)
-    return jax.random.categorical(key, jnp.log(probs), axis=-1).astype(jnp.int32)
-
-
-def prefill(
-    cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, target_cache, drafter_cache, key, sampling=None
-):
+def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, target_cache, drafter_cache, sampling):
     """Target prefill, its next token, and the first drafts.
 
     prompt [B, P] right-padded; prompt_len [B], 0 for a batch-padding row (done at once);
-    budget [B] new tokens allowed per row; sampling: per-row settings (RowSampling) instead of
-    the config's. Returns a DecodeState whose `out` holds the first token.
+    budget [B] new tokens allowed per row; sampling: the rows' settings. Returns a DecodeState
+    whose `out` holds the first token.
     """
     b, p = prompt.shape
     idx = jnp.arange(p)[None, :]
     positions = jnp.where(idx < prompt_len[:, None], idx, -1)
     last_slot = jnp.maximum(prompt_len - 1, 0)
     out = target(prompt, positions, target_cache, aux_layer_ids=cfg.aux_layer_ids, logits_at=last_slot[:, None])
-    key, sub = jax.random.split(key)
-    if sampling is None:
-        first = _pick_token(cfg, out.logits[:, 0], sub)
-    else:
-        first, sampling = pick_rows(out.logits[:, 0], sampling)
+    length, vocab = target_cache[0][0].shape[1], out.logits.shape[-1]
+    counts = seen = None
+    if cfg.penalties:
+        counts, seen = jnp.zeros((b, vocab), jnp.int32), prompt_tokens_seen(prompt, prompt_len, vocab)
+    nothing = jnp.zeros((b, 0), jnp.int32)
+    logits = processed_logits(out.logits, sampling, jnp.zeros((b,), jnp.int32), nothing, counts, seen)
+    first, sampling = pick_rows(logits[:, 0], sampling)
     drafts = jnp.zeros((b, cfg.k), jnp.int32)
     if cfg.mode != "none":
         # slot j holds token x[j+1] with aux of position j; the last real slot holds `first`
         shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
         shifted = jnp.where(idx == (prompt_len - 1)[:, None], first[:, None], shifted)
         drafts, drafter_cache = draft(cfg, drafter, shifted, out.aux_hidden, positions, last_slot, drafter_cache)
+    valid = (prompt_len > 0)[:, None]
     state = DecodeState(
         target_cache=out.cache,
         drafter_cache=drafter_cache,
@@ -312,29 +204,34 @@ def prefill(
         last=first,
         drafts=drafts,
         done=prompt_len == 0,
-        out=jnp.zeros((b, target_cache[0][0].shape[1]), jnp.int32).at[:, 0].set(first),
-        out_len=(prompt_len > 0).astype(jnp.int32),
+        out=jnp.zeros((b, length), jnp.int32).at[:, 0].set(first),
+        out_len=valid[:, 0].astype(jnp.int32),
         budget=budget.astype(jnp.int32),
-        key=key,
         rounds=jnp.zeros((b,), jnp.int32),
-        accept_hist=jnp.zeros((cfg.k + 1,), jnp.int32),
+        accepted=jnp.zeros((b, cfg.k + 1), jnp.int32),
         sampling=sampling,
+        counts=None if counts is None else count_tokens(counts, first[:, None], valid),
+        seen=seen,
+        logprobs=None
+        if cfg.logprobs is None
+        else record_logprobs(
+            empty_logprobs(b, length, cfg.logprobs), out.logits, first[:, None], jnp.where(valid, 0, length), sampling
+        ),
     )
-    return _finish(cfg, state, first[:, None], (prompt_len > 0)[:, None])
+    return _finish(state, first[:, None], valid)
 
 
-def _finish(cfg: EngineConfig, state: DecodeState, emitted, valid) -> DecodeState:
-    """Marks rows done on EOS among this step's emitted tokens or at the token budget.
-
-    `emitted` [B, E] were already written at out_len - sum(valid) ..; `valid` [B, E] says
-    which of them count. Tokens after the first EOS are cut.
-    """
-    hit_eos = valid & jnp.isin(emitted, jnp.asarray(cfg.eos_ids or (-1,), jnp.int32))
-    has_eos = jnp.any(hit_eos, axis=-1)
-    first_eos = jnp.argmax(hit_eos, axis=-1)
+def _finish(state: DecodeState, emitted, valid) -> DecodeState:
+    """Marks rows done on one of their stop ids among this step's emitted tokens or at the token
+    budget. `emitted` [B, E] were already written at out_len - sum(valid) ..; `valid` [B, E] says
+    which of them count. Tokens after the first stop id are cut."""
+    stops = state.sampling.stop_ids  # [B, S], -1 padded (never a token)
+    hit = valid & jnp.any(emitted[..., None] == stops[:, None, :], axis=-1)
+    has_stop = jnp.any(hit, axis=-1)
+    first_stop = jnp.argmax(hit, axis=-1)
     emitted_count = jnp.sum(valid, axis=-1)
-    out_len = jnp.where(has_eos, state.out_len - emitted_count + first_eos + 1, state.out_len)
-    done = state.done | has_eos | (out_len >= state.budget)
+    out_len = jnp.where(has_stop, state.out_len - emitted_count + first_stop + 1, state.out_len)
+    done = state.done | has_stop | (out_len >= state.budget)
     return state._replace(done=done, out_len=jnp.minimum(out_len, state.budget))
 
 
@@ -346,15 +243,9 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
     positions = jnp.where(active[:, None], state.length[:, None] + slots, -1)
     tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
     out = target(tokens, positions, state.target_cache, aux_layer_ids=cfg.aux_layer_ids)
-    key, sub = jax.random.split(state.key)
-    sampling = state.sampling
-    if sampling is not None:
-        n, bonus, sampling = accept_rows(out.logits, state.drafts, sampling)
-    elif cfg.greedy:
-        n, bonus = accept_greedy(out.logits, state.drafts)
-    else:
-        probs = warp_probs(out.logits, cfg.temperature, cfg.top_p)
-        n, bonus = accept_rejection(probs, state.drafts, None, sub)
+    s = state.sampling
+    logits = processed_logits(out.logits, s, state.out_len, state.drafts, state.counts, state.seen)
+    n, bonus, sampling = accept_rows(logits, state.drafts, s)
     # emitted tokens this round: d1..dn then the bonus (slot j <= n)
     padded = jnp.concatenate([state.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     emitted = jnp.where(slots == n[:, None], bonus[:, None], padded)
@@ -367,9 +258,6 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
         # drafter slots: emitted tokens at the positions they follow, with those positions' aux
         draft_pos = jnp.where(valid, positions, -1)
         drafts, drafter_cache = draft(cfg, drafter, emitted, out.aux_hidden, draft_pos, n, state.drafter_cache)
-    hist = state.accept_hist + jnp.sum(
-        jax.nn.one_hot(n, k + 1, dtype=jnp.int32) * active[:, None].astype(jnp.int32), axis=0
-    )
     new = state._replace(
         target_cache=out.cache,
         drafter_cache=drafter_cache,
@@ -378,12 +266,13 @@ def decode_round(cfg: EngineConfig, target, drafter, state: DecodeState) -> Deco
         drafts=jnp.where(active[:, None], drafts, state.drafts),
         out=new_out,
         out_len=jnp.where(active, state.out_len + n + 1, state.out_len),
-        key=key,
         rounds=state.rounds + active.astype(jnp.int32),
-        accept_hist=hist,
+        accepted=state.accepted + jax.nn.one_hot(n, k + 1, dtype=jnp.int32) * active[:, None].astype(jnp.int32),
         sampling=sampling,
+        counts=None if state.counts is None else count_tokens(state.counts, emitted, valid),
+        logprobs=None if state.logprobs is None else record_logprobs(state.logprobs, out.logits, emitted, write_at, s),
     )
-    return _finish(cfg, new, emitted, valid)
+    return _finish(new, emitted, valid)
 
 
 def generate_loop(cfg: EngineConfig, target, drafter, state: DecodeState) -> DecodeState:
@@ -429,8 +318,7 @@ def jit_prefill(
     budget,
     target_cache_shape,
     drafter_cache_shape,
-    key,
-    sampling=None,
+    sampling,
 ) -> DecodeState:
     """Allocates both caches (`peagle_jax.engine.cache` specs) and runs `prefill`."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
@@ -444,7 +332,6 @@ def jit_prefill(
             budget,
             kv.allocate(target_cache_shape),
             kv.allocate(drafter_cache_shape),
-            key,
             sampling,
         )
 
@@ -465,18 +352,17 @@ def jit_round(cfg, target_def, target_state, drafter_def, drafter_state, state) 
 
 
 def first_rows(state: DecodeState, rows: int) -> DecodeState:
-    """The state of the first `rows` rows (the batch-wide fields as they are)."""
-    return state._replace(**{f: jax.tree.map(lambda x: x[:rows], getattr(state, f)) for f in ROW_FIELDS})
+    """The state of the first `rows` rows."""
+    return jax.tree.map(lambda x: x[:rows], state)
 
 
-def with_first_rows(state: DecodeState, part: DecodeState) -> DecodeState:
-    """`state` with its first rows replaced by `part`'s (and `part`'s batch-wide fields)."""
+def put_rows(state: DecodeState, part: DecodeState, at) -> DecodeState:
+    """`state` with its rows at..at+len(part) replaced by `part`'s."""
 
-    def put(whole, head):
-        return jax.lax.dynamic_update_slice_in_dim(whole, head.astype(whole.dtype), 0, axis=0)
+    def put(whole, rows):
+        return jax.lax.dynamic_update_slice_in_dim(whole, rows.astype(whole.dtype), at, axis=0)
 
-    rows = {f: jax.tree.map(put, getattr(state, f), getattr(part, f)) for f in ROW_FIELDS}
-    return part._replace(**rows)
+    return jax.tree.map(put, state, part)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3, 6, 7), donate_argnums=(5,))
@@ -490,7 +376,7 @@ def jit_rounds(
         if rows is None or rows == state.done.shape[0]:
             return rounds_until_a_row_ends(cfg, target, drafter, state, max_rounds)
         part = rounds_until_a_row_ends(cfg, target, drafter, first_rows(state, rows), max_rounds)
-        return with_first_rows(state, part)
+        return put_rows(state, part, 0)
 
 
 def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state, platform: str):

@@ -16,8 +16,7 @@ from flax import nnx
 from sampling_law import chi2_pvalue, sample_counts
 
 import peagle_jax as pj
-from peagle_jax.engine import SpeculativeDecoder
-from peagle_jax.engine import sampler
+from peagle_jax.engine import SpeculativeDecoder, sampler
 from peagle_jax.engine import speculative as sp
 from peagle_jax.models import dflash as dflash_mod
 from peagle_jax.models.layers import apply_rope

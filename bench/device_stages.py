@@ -312,15 +312,15 @@ def tpu_decode_rows(t: int, smoke: bool) -> list[dict]:
 
     import jax
     import jax.numpy as jnp
-    from gpu_check import _decode_positions
 
     from kernels import decode
+    from kernels.cases import decode_positions
 
     cache, fill, d, dtype = (200, 150, 32, jnp.float32) if smoke else (32768, 4096, 256, jnp.bfloat16)
     ks = jax.random.split(jax.random.PRNGKey(t), 3)
     q = jax.random.normal(ks[0], (1, t, 4, d), dtype)
     k, v = (jax.random.normal(x, (1, cache, 1, d), dtype) for x in ks[1:])
-    pos = jnp.asarray(_decode_positions(1, t, fill, [fill]))
+    pos = jnp.asarray(decode_positions(1, t, fill, [fill]))
     kw = dict(scale=d**-0.5)
     impls = {
         "xla_decode": jax.jit(functools.partial(decode.attention, backend="xla", **kw)),

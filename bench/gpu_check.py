@@ -96,15 +96,6 @@ def time_calls(f, args, iters):
     return compile_s, (time.perf_counter() - t0) / iters
 
 
-def _decode_positions(b, t, fill, fills):
-    """[B, T] positions of the last T tokens of each row: filled to `fill`, or for "ragged" to
-    fills[i % len(fills)] in row i."""
-    import numpy as np
-
-    per_row = [fills[i % len(fills)] if fill == "ragged" else fill for i in range(b)]
-    return np.stack([np.arange(f - t, f) for f in per_row]).astype(np.int32)
-
-
 def run_decode_timings(
     cache: int, fills, batches, ts, windows, smoke: bool, iters: int, hq: int, hkv: int, d: int, splits
 ):
@@ -112,9 +103,9 @@ def run_decode_timings(
 
     import jax
     import jax.numpy as jnp
-    from kernel_cases import rel_err
 
     from kernels import decode, decode_gpu, dense
+    from kernels.cases import decode_positions, rel_err
 
     dtype = jnp.float32 if smoke else jnp.bfloat16
     scale = d**-0.5
@@ -152,7 +143,7 @@ def run_decode_timings(
                             functools.partial(decode_gpu.attention, scale=scale, num_splits=n, interpret=interpret)
                         )
                 for fill in [*fills, "ragged"] if b > 1 else fills:
-                    args = (q, k, v, jnp.asarray(_decode_positions(b, t, fill, fills)))
+                    args = (q, k, v, jnp.asarray(decode_positions(b, t, fill, fills)))
                     want = None
                     for name, f in impls.items():
                         if name.startswith("pallas_gpu_splits") and fill != max(fills):
@@ -256,7 +247,7 @@ def main(argv=None):
     p.add_argument("--json", default="gpu_check.json")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: tiny sizes, Pallas in interpret mode, no tests")
     args = p.parse_args(argv)
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "kernels")]  # the project; the kernel tests' cases
+    sys.path[:0] = [ROOT]  # the project
     import jax
 
     if args.smoke:

@@ -4,10 +4,10 @@ the kernels lower to Triton (cross-platform lowering, no GPU needed). With a GPU
 
 import jax
 import jax.numpy as jnp
-import kernel_cases as kt
 import pytest
 
 from kernels import AttentionSpec, attention
+from kernels import cases as kt
 
 BLOCKS = dict(block_q=32, block_k=16)
 CASES = [kt.CASE_COD_F32, kt.CASE_COD_BF16, kt.CASE_CAUSAL, kt.CASE_BLOCK]

@@ -1,7 +1,7 @@
 """What a P-EAGLE head gives when served as plain EAGLE-3 (what vLLM 0.34 and later run for a head
 exported `--as eagle3`): the same trained head drafting in parallel (one pass, as trained) and in
 chain mode (one token a pass, each fed the drafter's own hidden state, as EAGLE-3), side by side in
-one run (`infer.bench.compare`: plain decoding and both modes at every K, interleaved batch by
+one run (`infer.compare.compare`: plain decoding and both modes at every K, interleaved batch by
 batch, greedy outputs checked equal to plain decoding's).
 
     python bench/peagle_as_eagle3.py --drafter runs/demo/head [--target gemma3-270m] [--k 1,2,3,4,5,6,7]
@@ -26,7 +26,8 @@ from pathlib import Path
 import jax
 
 import peagle_jax as pj
-from infer.bench import Head, compare, source_prompt_ids
+from infer.compare import Head, compare
+from infer.load import source_prompt_ids
 from peagle_jax.assets import ASSETS, prepare
 from peagle_jax.folders import atomic_write_text
 

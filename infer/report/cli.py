@@ -12,7 +12,7 @@ from the trainer's last checkpoint):
                   same data, same steps (= token budget), same head size; the regenerated answers
                   are copied in, so nothing is regenerated twice
   eval-SET-bB     plain decoding and every head at every K on the SET prompts at batch B,
-                  interleaved batch by batch (`infer.bench.compare`, the code of `python -m infer bench`);
+                  interleaved batch by batch (`infer.compare.compare`, the code of `python -m infer bench`);
                   a record made with other heads (a two-head run's) is redone
 Then OUT/results.json, OUT/*.png and OUT.md (the report beside the folder) are written from the
 stage records; OUT is replaced whole, so it is never half-written.

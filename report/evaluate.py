@@ -9,8 +9,8 @@ import shlex
 import time
 from pathlib import Path
 
-from infer.report.common import HEADS, PROMPT_SETS, dflash_block_size, log
-from infer.report.stages import Stages, eval_settings, shown
+from report.common import HEADS, PROMPT_SETS, dflash_block_size, log
+from report.stages import Stages, eval_settings, shown
 
 # what each row of results.json keeps of a run of `infer.compare.compare`
 ROW_KEYS = (
@@ -184,7 +184,7 @@ def collect(args, data: dict, trained: dict, evals: list[dict], wall: float) -> 
     return {
         "settings": settings_of(args),
         "hardware": hardware(),
-        "command": shlex.join(["python", "-m", "infer.report", *args.argv]),
+        "command": shlex.join(["python", "-m", "report", *args.argv]),
         "stages": stage_times(data, trained, evals),
         "wall_seconds_this_run": wall,
         "data": data["data"],

@@ -1,6 +1,6 @@
 """Pallas GPU (Triton) kernels: interpret mode on CPU vs the reference, and a check that
 the kernels lower to Triton (cross-platform lowering, no GPU needed). With a GPU,
-``bench/gpu_check.py`` runs the ``gpu``-marked tests natively."""
+``python -m bench.gpu_check`` runs the ``gpu``-marked tests natively."""
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ def test_gpu_kernels_lower_to_triton():
     assert text.count("xla.gpu.triton") == 3  # fwd, dq, dkv
 
 
-# ---- native runs on a GPU (deselected by default; bench/gpu_check.py runs them) -------
+# ---- native runs on a GPU (deselected by default; python -m bench.gpu_check runs them) -------
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gpu_native_matches_reference(case):

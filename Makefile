@@ -84,7 +84,7 @@ demo: $(VENV)/.installed-demo
 # P-EAGLE vs EAGLE-3 vs DFlash vs plain decoding on Gemma-3-270M -> docs/report.md (about an hour on a 2-core CPU;
 # resumable: rerun to continue; e.g. make report REPORT_ARGS='--budget 0.25')
 report: $(VENV)/.installed-test
-	$(BIN)/python -m infer.report $(REPORT_ARGS)
+	$(BIN)/python -m report $(REPORT_ARGS)
 
 clean:
 	rm -rf $(VENV) $(CVENV) $(VVENV) .vllm .pytest_cache

@@ -7,31 +7,31 @@ Both are timed as one jitted value-and-grad on the same random features and rows
 width: one layer, H 640, 4 x 256 heads, 1 KV head, MLP 2048; Vd 8192, K 8), and their losses and
 gradients are compared.
 
-    python bench/chain_objective_speed.py [--old 4e7007d] [--length 256] [--repeats 3]
+    python -m bench.chain_objective_speed [--old 4e7007d] [--length 256] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from peagle_jax.drafter import Drafter
+from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.timing import side_by_side, wall
+from train.cod import chain_rows
+from train.step import loss_and_metrics, split_params
 
-from peagle_jax.drafter import Drafter  # noqa: E402
-from peagle_jax.drafter_config import DrafterConfig  # noqa: E402
-from train.cod import chain_rows  # noqa: E402
-from train.step import loss_and_metrics, split_params  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def old_loss(rev: str):
@@ -47,7 +47,7 @@ def old_loss(rev: str):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.chain_objective_speed", description=__doc__.splitlines()[0])
     ap.add_argument("--old", default="4e7007d", help="the commit whose chain objective is compared")
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
@@ -72,20 +72,15 @@ def main() -> None:
     y = jnp.asarray(rng.normal(size=(1, length, h)), jnp.float32)
     head_w = jnp.asarray(rng.normal(size=(vd, h)), jnp.float32)
     kw = dict(mode="chain", k=k, per_depth=False, chain_decay=0.8, softcap=None, attention="auto")
-    fns = {
+    grads = {
         name: jax.jit(jax.value_and_grad(lambda p, f=f: f(parts, p, frozen, aux, y, head_w, batch, **kw)[0]))
         for name, f in ((f"old ({args.old})", old_loss(args.old)), ("new", loss_and_metrics))
     }
-    outs = {name: jax.block_until_ready(f(params)) for name, f in fns.items()}  # compile + first call
+    steps = {name: functools.partial(g, params) for name, g in grads.items()}
+    outs = {name: wall(step)[1] for name, step in steps.items()}  # compile + first call
     (l0, g0), (l1, g1) = outs.values()
     rel = max(float(jnp.max(jnp.abs(g1[n] - g0[n])) / jnp.max(jnp.abs(g0[n]))) for n in g0)
-    times = {name: [] for name in fns}
-    for _ in range(args.repeats):
-        for name, f in fns.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(params))
-            times[name].append(time.perf_counter() - t0)
-    med = {name: float(np.median(t)) for name, t in times.items()}
+    med = {name: t.ms / 1000 for name, t in side_by_side(steps, args.repeats, first=False).items()}  # alternating
     old, new = med.values()
     print(
         f"L {length}, K {k}: " + ", ".join(f"{n} {t:.2f} s" for n, t in med.items()) + f"; old / new {old / new:.2f}x"

@@ -1,8 +1,8 @@
 """One `python -m infer cost --json RAW` run as a results file of bench/results/ (rendered into
-docs/benchmarks.md by bench/render_results.py): a row per (mode, K, batch, prompt length), the plain
+docs/benchmarks.md by `python -m bench.render_results`): a row per (mode, K, batch, prompt length), the plain
 step and its roofline in the notes.
 
-    python bench/cost_results.py RAW.json --out bench/results/NAME.json --title TITLE --order N \\
+    python -m bench.cost_results RAW.json --out bench/results/NAME.json --title TITLE --order N \\
         --setup TEXT --hardware TEXT [--note TEXT ...] [--design docs/design/NOTE.md]
 """
 
@@ -48,7 +48,9 @@ def plain_notes(raw: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.cost_results", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("raw", help="the JSON `python -m infer cost --json` wrote")
     ap.add_argument("--out", required=True)
     ap.add_argument("--title", required=True)

@@ -7,7 +7,7 @@ length, side by side in one run: the old path (dense attention over every cache 
 new one (`kernels.decode`: only the blocks up to the longest filled length, or inside a sliding
 layer's window). The reference row is the same step in a 512-slot cache at 256 filled tokens.
 
-    python bench/decode_bench.py [--filled 256,1024,4096,16384] [--batch 1,4] [--reps 5] [--modes none,parallel]
+    python -m bench.decode_bench [--filled 256,1024,4096,16384] [--batch 1,4] [--reps 5] [--modes none,parallel]
         [--json runs/bench/decode_bench.json]
 """
 
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +25,7 @@ from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import speculative as sp
 from peagle_jax.folders import atomic_write_text
 from peagle_jax.models import layers
+from peagle_jax.timing import timed
 
 CACHE = 32768
 
@@ -37,14 +36,14 @@ def step_ms(dec: SpeculativeDecoder, batch: int, filled: int, reps: int) -> floa
     shape = state.length.shape  # the state is donated each round: build fresh arrays every time
     state = state._replace(length=jnp.full(shape, filled, jnp.int32), budget=jnp.full(shape, 10**6, jnp.int32))
     mods = dec.modules()
-    state = jax.block_until_ready(sp.jit_round(cfg, *mods, state))  # compile
-    times = []
-    for _ in range(reps):
-        state = state._replace(length=jnp.full(shape, filled, jnp.int32))  # stay at `filled`
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(sp.jit_round(cfg, *mods, state))
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    box = [state]
+
+    def step():
+        box[0] = box[0]._replace(length=jnp.full(shape, filled, jnp.int32))  # stay at `filled`
+        box[0] = sp.jit_round(cfg, *mods, box[0])
+        return box[0]
+
+    return timed(step, reps).ms  # the first call compiles
 
 
 def measure(target, drafter, batches, filled_lengths, reps, modes=("none", "parallel")) -> list[dict]:
@@ -82,7 +81,9 @@ def measure(target, drafter, batches, filled_lengths, reps, modes=("none", "para
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.decode_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--filled", default="256,1024,4096,16384")
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--reps", type=int, default=5)
@@ -91,9 +92,8 @@ def main() -> None:
     args = ap.parse_args()
     target = pj.load_target(prepare("gemma3-270m"), dtype="float32")
     drafter = pj.new_drafter(target, mode="parallel", draft_vocab=list(range(32768)), seed=0)
-    rows = measure(
-        target, drafter, [int(b) for b in args.batch.split(",")], [int(f) for f in args.filled.split(",")], args.reps
-    )
+    batches, filled = [int(b) for b in args.batch.split(",")], [int(f) for f in args.filled.split(",")]
+    rows = measure(target, drafter, batches, filled, args.reps, modes=args.modes.split(","))
     atomic_write_text(args.json, json.dumps({"device": str(jax.devices()[0]), "rows": rows}, indent=1))
 
 

@@ -1,11 +1,11 @@
 """Device playbook: one command that measures a lent GPU or TPU end to end within a time budget.
 
-    python bench/device.py --minutes 10 --out DIR        # on the GPU / TPU machine
-    python bench/device.py --smoke --minutes 2 --out DIR # CPU dry run of every stage (< 90 s)
+    python -m bench.device --minutes 10 --out DIR         # on the GPU / TPU machine, in the repository
+    python -m bench.device --smoke --minutes 2 --out DIR  # CPU dry run of every stage (< 90 s)
 
 Stages, in order (docs/device.md):
 
-1. ``kernels``: the Pallas kernel checks. GPU: bench/gpu_check.py (its gpu-marked tests and
+1. ``kernels``: the Pallas kernel checks. GPU: ``bench.gpu_check`` (its gpu-marked tests and
    timings) as two runs, attention then decode, each with half the stage's time; below 7
    minutes for the stage its sizes are reduced (N 4096 and 16384, one decode cache fill).
    TPU: the Pallas TPU attention (forward + backward) and decode kernels checked against the
@@ -36,7 +36,7 @@ not use; evaluate, last, gets what is left then); 2% is kept for the script itse
 --stages, the selected stages' shares are scaled to add up to the whole budget. --smoke: the
 stages are fixed small runs, each may use the time left less 8 s for each later stage.
 
-Every stage runs in its own subprocess (bench/device_stages.py, or the CLI), in its own
+Every stage runs in its own subprocess (``python -m bench.device_stages``, or the CLI), in its own
 process group, killed at its timeout, so a crash, an OOM or a hang ends that stage only; its
 output goes to DIR/logs/STAGE.log. DIR/results.json is rewritten (atomically) after every
 stage: the command line, the device, the budget and for each stage its status (ok | failed |
@@ -57,7 +57,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.command import command_line
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the stages' working folder
 STAGES = ("kernels", "cost", "train_step", "train_head", "evaluate")
 SHARES = {"kernels": 0.15, "cost": 0.20, "train_step": 0.20, "evaluate": 0.15}  # train_head: the rest
 HEAD_STAGES = ("train_head", "evaluate")  # they need real weights and data: not run on dummy weights
@@ -237,7 +239,7 @@ class Run:
         self.deadline = self.start + self.total * (1 - MARGIN)
         self.platform = "unknown"
         self.results = {
-            "command": " ".join(["python", "bench/device.py", *argv]),
+            "command": command_line("bench.device", argv),
             "argv": argv,
             "smoke": self.smoke,
             "minutes": args.minutes,
@@ -267,8 +269,8 @@ class Run:
 
 # --------------------------------------------------------------------------- the stages' commands
 def _self(run: Run, stage: str, seconds: float) -> list[str]:
-    """One stage's child: bench/device_stages.py beside this script."""
-    cmd = [sys.executable, str(Path(__file__).resolve().with_name("device_stages.py")), "--stage", stage]
+    """One stage's child: `python -m bench.device_stages`."""
+    cmd = [sys.executable, "-m", "bench.device_stages", "--stage", stage]
     cmd += ["--out", str(run.out), "--target", run.args.target, "--load-format", run.args.load_format]
     return cmd + ["--seconds", f"{seconds:.0f}"] + (["--smoke"] if run.smoke else [])
 
@@ -282,7 +284,7 @@ def target_folder(run: Run) -> str:
         folder.mkdir(exist_ok=True)
         write_json(folder / "config.json", SMOKE_TARGET)
         return str(folder)
-    from peagle_jax.assets import ASSETS, prepare  # main put this tree first on sys.path
+    from peagle_jax.assets import ASSETS, prepare
 
     return str(prepare(run.args.target)) if run.args.target in ASSETS else run.args.target
 
@@ -298,7 +300,7 @@ def cost_plan(run: Run) -> list[list[str]]:
 
 def kernels_plan(run: Run, seconds: float):
     """(commands, reason to skip or None) of the kernels stage on this platform."""
-    gc = [sys.executable, str(ROOT / "bench" / "gpu_check.py")]
+    gc = [sys.executable, "-m", "bench.gpu_check"]
     if run.smoke:
         return [[*gc, "--smoke", "--parts", "decode", "--json", str(run.path("kernels", "decode.json"))]], None
     if run.platform == "tpu":
@@ -479,7 +481,6 @@ def run_stage(run: Run, name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    sys.path.insert(0, str(ROOT))  # this tree's peagle_jax (the flags' checks), not an installed one
     from peagle_jax.cli import UsageError, one_line
 
     try:
@@ -518,7 +519,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     from peagle_jax.cli import OneLineParser
     from peagle_jax.folders import unwritable
 
-    p = OneLineParser(prog="python bench/device.py", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="python -m bench.device", description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="the whole run's time budget (default 10)")
     p.add_argument("--out", required=True, help="output folder (new or empty): results.json, logs, the head")
     p.add_argument("--smoke", action="store_true", help="CPU dry run of every stage at tiny sizes (< 90 s)")

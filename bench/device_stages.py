@@ -1,4 +1,4 @@
-"""The device playbook's stage children (bench/device.py runs each in its own process):
+"""The device playbook's stage children (`python -m bench.device` runs each in its own process):
 `--stage train_step` (the trainer's step, Pallas against XLA, at growing lengths) and
 `--stage kernels_tpu` (the Pallas TPU kernels against the XLA paths). Each writes its JSON after
 every measurement, so a stage killed at its timeout keeps what it measured."""
@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
 import time
 from pathlib import Path
 
-from device import ACCELERATORS, ROOT, error_line, write_json  # bench/device.py, beside this file
+from bench.device import ACCELERATORS, error_line, write_json
 
 STEP_LENGTHS, SMOKE_STEP_LENGTHS = (8192, 16384, 32768), (64,)
 MAX_STEP_LENGTH, SMOKE_MAX_STEP_LENGTH = 1 << 20, 128
@@ -20,7 +19,7 @@ RECIPE_TOKENS, SMOKE_RECIPE_TOKENS = 256, 64  # the default recipe's data.max_le
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.device_stages", description=__doc__.split("\n")[0])
     p.add_argument("--stage", choices=("train_step", "kernels_tpu"), required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--seconds", type=float, default=60.0, help="the child's time")
@@ -32,7 +31,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def stage_main(args) -> int:
     """A stage's child process (--stage): writes DIR/stages/STAGE.json (after every measurement)."""
-    sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
     out = Path(args.out)
     deadline = time.monotonic() + args.seconds - 10  # leave time to write and exit
     if args.stage == "train_step":
@@ -109,6 +107,7 @@ def time_step(trainer, vocab: int, length: int, variant: str, steps: int) -> dic
     import kernels
     from kernels.limits import device_name
     from peagle_jax.plan.devices import rates
+    from peagle_jax.timing import side_by_side
     from train.step import batch_arrays
 
     st, h = trainer.stepper, trainer.drafter.config.hidden_size
@@ -129,15 +128,14 @@ def time_step(trainer, vocab: int, length: int, variant: str, steps: int) -> dic
     plan = compiled.memory_analysis()
     if plan is not None:
         row["program_bytes"] = int(plan.temp_size_in_bytes + plan.argument_size_in_bytes + plan.output_size_in_bytes)
-    params, opt = jax.tree.map(jnp.copy, (trainer.params, trainer.opt_state))
-    times, losses = [], []
-    for _ in range(steps):
-        t = time.perf_counter()
-        params, opt, m = compiled(params, opt, trainer.frozen, st.head_w, aux, y, batch)
-        losses.append(float(jax.block_until_ready(m["loss"])))
-        times.append(time.perf_counter() - t)
+    state, losses = list(jax.tree.map(jnp.copy, (trainer.params, trainer.opt_state))), []
+
+    def step():  # the compiled step donates its state: each call takes the last one
+        state[0], state[1], m = compiled(*state, trainer.frozen, st.head_w, aux, y, batch)
+        losses.append(float(m["loss"]))
+
+    step_s = side_by_side({"step": step}, steps, first=False)["step"].ms / 1e3  # compiled ahead: every step timed
     row["first_loss"] = losses[0]  # from the same state and rows in both variants: they should agree
-    step_s = statistics.median(times)
     row.update(status="ok", step_ms=round(1e3 * step_s, 2), tokens_per_second=round(length / step_s))
     row["peak_bytes_in_use"] = _peak_bytes()
     if row["peak_bytes_in_use"] and row.get("program_bytes"):  # the process's running peak / the program's plan
@@ -172,17 +170,23 @@ def recipe_step(trainer, vocab: int, length: int, steps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from peagle_jax.timing import timed
+
     saved = (*jax.tree.map(jnp.copy, (trainer.params, trainer.opt_state)), trainer.step)
-    times = []
+    recs = []
+
+    def step():  # each on a sequence of its own
+        i = len(recs)
+        recs.append(trainer.train_step(trainer.cod_batch([_example(length, vocab, seed=i)], i, length=length)))
+
     try:
-        for i in range(steps + 1):
-            t = time.perf_counter()
-            rec = trainer.train_step(trainer.cod_batch([_example(length, vocab, seed=i)], i, length=length))
-            times.append(time.perf_counter() - t)
+        timing = timed(step, steps)
     finally:  # the variants' steps start from one state (the step donates the one it is given)
         trainer.params, trainer.opt_state, trainer.step = saved
-    step_s = statistics.median(times[1:])
-    return dict(status="ok", tokens=length, compile_s=round(times[0], 2), step_s=round(step_s, 5), loss=rec["loss"])
+    step_s = timing.ms / 1e3
+    return dict(
+        status="ok", tokens=length, compile_s=round(timing.first_s, 2), step_s=round(step_s, 5), loss=recs[-1]["loss"]
+    )
 
 
 def attempt(fn, deadline: float, need_s: float) -> dict:
@@ -240,28 +244,25 @@ def train_step_stage(loaded, path: Path, deadline: float, smoke: bool) -> None:
 
 
 def _rel_err(x, ref) -> float:
-    """max |x - ref| / max |ref| in float32 (over pytrees of arrays: the worst leaf)."""
+    """`kernels.cases.rel_err` over pytrees of arrays: the worst leaf."""
     import jax
-    import numpy as np
 
-    errs = []
-    for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(ref), strict=True):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        errs.append(float(np.max(np.abs(a - b)) / max(float(np.max(np.abs(b))), 1e-30)))
-    return max(errs)
+    from kernels.cases import rel_err
+
+    return max(rel_err(a, b) for a, b in zip(jax.tree.leaves(x), jax.tree.leaves(ref), strict=True))
 
 
 def _check_impls(impls: dict, args, base: dict, iters: int) -> list[dict]:
     """Rows of {impl, status, compile_s, ms, rel_err_vs_xla} for jitted `impls` (the first, XLA, is
     the reference of the others; more than 2e-2 relative error is WRONG)."""
-    from gpu_check import time_fn
+    from peagle_jax.timing import timed
 
     rows, want = [], None
     for name, f in impls.items():
         row = {**base, "impl": name}
         try:
-            comp, med = time_fn(f, args, iters)
-            row.update(status="ok", compile_s=round(comp, 2), ms=round(1e3 * med, 3))
+            timing = timed(lambda f=f: f(*args), iters)
+            row.update(status="ok", compile_s=round(timing.first_s, 2), ms=round(timing.ms, 3))
             got = f(*args)
             if want is None:
                 want = got
@@ -312,15 +313,15 @@ def tpu_decode_rows(t: int, smoke: bool) -> list[dict]:
 
     import jax
     import jax.numpy as jnp
-    from gpu_check import _decode_positions
 
     from kernels import decode
+    from kernels.cases import decode_positions
 
     cache, fill, d, dtype = (200, 150, 32, jnp.float32) if smoke else (32768, 4096, 256, jnp.bfloat16)
     ks = jax.random.split(jax.random.PRNGKey(t), 3)
     q = jax.random.normal(ks[0], (1, t, 4, d), dtype)
     k, v = (jax.random.normal(x, (1, cache, 1, d), dtype) for x in ks[1:])
-    pos = jnp.asarray(_decode_positions(1, t, fill, [fill]))
+    pos = jnp.asarray(decode_positions(1, t, fill, [fill]))
     kw = dict(scale=d**-0.5)
     impls = {
         "xla_decode": jax.jit(functools.partial(decode.attention, backend="xla", **kw)),

@@ -1,12 +1,13 @@
 """GPU check for a lent device (H200 / any CUDA GPU): correctness + timings, < 8 minutes.
 
-    python bench/gpu_check.py [--json gpu_check.json] [--n 4096 8192 16384]
-    python bench/gpu_check.py --parts decode      # only the decode kernel (tests + timings)
-    python bench/gpu_check.py --smoke      # CPU dry run of this script (interpret mode)
+    python -m bench.gpu_check [--json gpu_check.json] [--n 4096 8192 16384]
+    python -m bench.gpu_check --parts decode      # only the decode kernel (tests + timings)
+    python -m bench.gpu_check --smoke             # CPU dry run of this script (interpret mode)
 
 1. Runs the ``gpu``-marked tests of tests/kernels/test_kernels_gpu.py and
    tests/kernels/test_kernels_decode_pallas.py natively (Pallas Triton kernels vs the dense
-   reference / the XLA decode path at bf16 tolerances, determinism, per-row block reads).
+   reference / the XLA decode path at bf16 tolerances, determinism, per-row block reads; their
+   cases: `kernels.cases`).
 2. Times forward+backward of P-EAGLE attention on K=8 COD layouts (N positions ->
    ~3.4 N rows) for the Pallas GPU kernel against ``jax.nn.dot_product_attention`` with a
    dense [B, 1, T, T] boolean mask (implementation "xla", and "cudnn" when it accepts the
@@ -27,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -67,44 +67,6 @@ def _device_bytes():
         return None
 
 
-def time_fn(f, args, iters):
-    import jax
-
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    compile_s = time.perf_counter() - t0
-    ts = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        ts.append(time.perf_counter() - t0)
-    return compile_s, statistics.median(ts)
-
-
-def time_calls(f, args, iters):
-    """(first call incl. compile s, mean s per call over `iters` calls issued back to back)."""
-    import jax
-
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    compile_s = time.perf_counter() - t0
-    jax.block_until_ready(f(*args))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        out = f(*args)
-    jax.block_until_ready(out)
-    return compile_s, (time.perf_counter() - t0) / iters
-
-
-def _decode_positions(b, t, fill, fills):
-    """[B, T] positions of the last T tokens of each row: filled to `fill`, or for "ragged" to
-    fills[i % len(fills)] in row i."""
-    import numpy as np
-
-    per_row = [fills[i % len(fills)] if fill == "ragged" else fill for i in range(b)]
-    return np.stack([np.arange(f - t, f) for f in per_row]).astype(np.int32)
-
-
 def run_decode_timings(
     cache: int, fills, batches, ts, windows, smoke: bool, iters: int, hq: int, hkv: int, d: int, splits
 ):
@@ -112,9 +74,10 @@ def run_decode_timings(
 
     import jax
     import jax.numpy as jnp
-    from kernel_cases import rel_err
 
     from kernels import decode, decode_gpu, dense
+    from kernels.cases import decode_positions, rel_err
+    from peagle_jax.timing import back_to_back
 
     dtype = jnp.float32 if smoke else jnp.bfloat16
     scale = d**-0.5
@@ -152,7 +115,7 @@ def run_decode_timings(
                             functools.partial(decode_gpu.attention, scale=scale, num_splits=n, interpret=interpret)
                         )
                 for fill in [*fills, "ragged"] if b > 1 else fills:
-                    args = (q, k, v, jnp.asarray(_decode_positions(b, t, fill, fills)))
+                    args = (q, k, v, jnp.asarray(decode_positions(b, t, fill, fills)))
                     want = None
                     for name, f in impls.items():
                         if name.startswith("pallas_gpu_splits") and fill != max(fills):
@@ -162,8 +125,8 @@ def run_decode_timings(
                             dtype=str(jnp.dtype(dtype)),
                         )  # fmt: skip
                         try:
-                            comp, mean = time_calls(f, args, iters)
-                            row.update(status="ok", compile_s=round(comp, 2), ms=round(1e3 * mean, 4))
+                            timing = back_to_back(lambda f=f, args=args: f(*args), iters)  # first: compile
+                            row.update(status="ok", compile_s=round(timing.first_s, 2), ms=round(timing.ms, 4))
                             if name == "xla_decode":
                                 want = f(*args)
                             elif name.startswith("pallas_gpu"):
@@ -185,6 +148,7 @@ def run_timings(ns, smoke: bool, iters: int, hq: int, hkv: int, d: int):
 
     from kernels import AttentionSpec, attention, make_schedule
     from kernels.layouts import cod_layout
+    from peagle_jax.timing import timed
 
     mem = _device_bytes()
     dtype = jnp.float32 if smoke else jnp.bfloat16
@@ -229,8 +193,9 @@ def run_timings(ns, smoke: bool, iters: int, hq: int, hkv: int, d: int):
                 row["status"] = f"skipped: needs ~{need / 1e9:.0f} GB > 80% of {mem / 1e9:.0f} GB"
             else:
                 try:
-                    comp, med = time_fn(make(fwd), (q, k, v, spec, do), iters)
-                    row.update(status="ok", compile_s=round(comp, 2), fwd_bwd_ms=round(1e3 * med, 2))
+                    step = make(fwd)
+                    timing = timed(lambda step=step: step(q, k, v, spec, do), iters)  # first: compile
+                    row.update(status="ok", compile_s=round(timing.first_s, 2), fwd_bwd_ms=round(timing.ms, 2))
                 except Exception as e:  # noqa: BLE001 - OOM / unsupported are results too
                     row["status"] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
             rows.append(row)
@@ -239,7 +204,7 @@ def run_timings(ns, smoke: bool, iters: int, hq: int, hkv: int, d: int):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description="P-EAGLE kernels: GPU tests + timings")
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description="P-EAGLE kernels: GPU tests + timings")
     p.add_argument("--parts", nargs="+", choices=["attention", "decode"], default=["attention", "decode"])
     p.add_argument("--n", type=int, nargs="+", default=[4096, 8192, 16384])
     p.add_argument("--iters", type=int, default=5)
@@ -256,7 +221,6 @@ def main(argv=None):
     p.add_argument("--json", default="gpu_check.json")
     p.add_argument("--smoke", action="store_true", help="CPU dry run: tiny sizes, Pallas in interpret mode, no tests")
     args = p.parse_args(argv)
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "tests", "kernels")]  # the project; the kernel tests' cases
     import jax
 
     if args.smoke:

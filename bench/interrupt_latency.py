@@ -1,6 +1,6 @@
 """How long each command line takes to end after an interrupt during its start-up.
 
-    python bench/interrupt_latency.py [--clis train,infer,convert,plan] [--at 0.5,1,2] [--signals INT,TERM]
+    python -m bench.interrupt_latency [--clis train,infer,convert,plan] [--at 0.5,1,2] [--signals INT,TERM]
 
 Starts each command (run from this tree), sends the signal the given seconds after the start,
 and prints the exit status, the seconds from the signal to the exit and the last stderr line.
@@ -45,7 +45,7 @@ def measure(cli: str, sig: signal.Signals, at: float) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.interrupt_latency", description=__doc__.split("\n")[0])
     p.add_argument("--clis", default=",".join(COMMANDS), help="comma-separated: " + ", ".join(COMMANDS))
     p.add_argument("--at", default="0.5,1,2", help="seconds after the start, comma-separated")
     p.add_argument("--signals", default="INT,TERM", help="INT, TERM or both")

@@ -17,7 +17,7 @@ the child's RSS just before the first attention call, after jax is imported and 
 inputs exist), and the fraction of (query block, KV block) pairs the schedule skips.
 Tiny heads (Hq=2, Hkv=1, D=32 by default) keep the big N within minutes on 2 cores.
 
-    python bench/kernels_bench.py [--n 1024 2048 4096 8192 16384] [--block 128 --block-k 512]
+    python -m bench.kernels_bench [--n 1024 2048 4096 8192 16384] [--block 128 --block-k 512]
         [--paths blockwise blockwise-chain slots dense] [--json out.json]
 """
 
@@ -29,7 +29,6 @@ import os
 import resource
 import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,12 +43,12 @@ def _rss_mb():
 
 def child(args):
     """Run one configuration; print one JSON line."""
-    sys.path.insert(0, ROOT)
     import jax
     import jax.numpy as jnp
 
     from kernels import AttentionSpec, attention, chain, make_schedule, slot_attention
     from kernels.layouts import cod_layout
+    from peagle_jax.timing import timed
 
     a, d, c = cod_layout(args.n, args.k, r=0.7, r_min=0.2, rng=0)
     T = len(a)
@@ -85,14 +84,7 @@ def child(args):
 
     jax.block_until_ready((q, k, v, do))
     base = _rss_mb()
-    t0 = time.perf_counter()
-    jax.block_until_ready(step(q, k, v, spec, do))
-    first = time.perf_counter() - t0
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(q, k, v, spec, do))
-        times.append(time.perf_counter() - t0)
+    timing = timed(lambda: step(q, k, v, spec, do), args.repeats)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     # the block loop the kernels run: chain keys gathered out, queries sorted (`kernels.chain`)
     loop_spec = jax.jit(lambda s: chain.sort_queries(chain.split(s)[0])[0])(spec) if spec.chain_depth else spec
@@ -110,8 +102,8 @@ def child(args):
                 d=args.d,
                 block=args.block,
                 block_k=args.block_k,
-                first_call_s=first,
-                fwd_bwd_s=min(times),
+                first_call_s=timing.first_s,
+                fwd_bwd_s=timing.min_ms / 1000,
                 base_rss_mb=base,
                 peak_rss_mb=peak,
                 skipped=skipped,
@@ -127,7 +119,7 @@ def dense_predicted_gb(T, hq):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.kernels_bench", description=__doc__.split("\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384])
     p.add_argument("--k", type=int, default=8)
     p.add_argument("--hq", type=int, default=2)
@@ -148,7 +140,6 @@ def main():
         args.n = args.n[0]
         return child(args)
 
-    sys.path.insert(0, ROOT)
     from kernels.layouts import cod_layout
 
     results = []
@@ -166,7 +157,8 @@ def main():
                 continue
             cmd = [
                 sys.executable,
-                os.path.abspath(__file__),
+                "-m",
+                "bench.kernels_bench",
                 "--child",
                 "--path",
                 path,
@@ -189,7 +181,7 @@ def main():
             ]
             env = dict(os.environ, JAX_PLATFORMS="cpu")
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env, cwd=ROOT)
                 line = [x for x in r.stdout.splitlines() if x.startswith("{")]
                 if r.returncode or not line:
                     row["error"] = (r.stderr.strip().splitlines() or ["?"])[-1][:200]

@@ -8,7 +8,7 @@ finished head is one marked point. A straight line through depth-0 accuracy agai
 (the shape of these early curves) says roughly what budget a target accuracy needs: an
 extrapolation, printed as such.
 
-    python bench/learning_curve.py RUN [RUN ...] --png docs/training_curve.png --json docs/training_curve.json
+    python -m bench.learning_curve RUN [RUN ...] --png docs/training_curve.png --json docs/training_curve.json
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def plot(runs: list[dict], png: Path) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.learning_curve", description=__doc__.splitlines()[0])
     p.add_argument("runs", nargs="+", type=Path, help="OUT folders of python -m train")
     p.add_argument("--window", type=int, default=40, help="training steps averaged per point")
     p.add_argument("--png", type=Path, default=None)

@@ -1,6 +1,6 @@
 """Learning per token: our trainer against speculators' P-EAGLE (or DFlash) recipe on the same data.
 
-    python bench/learning_efficiency.py --work DIR --budgets 25000 50000 100000 \
+    python -m bench.learning_efficiency --work DIR --budgets 25000 50000 100000 \
         [--head parallel|dflash] [--seeds 0] [--trainers ours speculators] \
         [--variant NAME='--flag v ...'] [--base NAME] [--json FILE] [--publish [--publish-as NAME]]
 
@@ -35,8 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.command import command_line
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 DATA_FLAGS = ["--data.max_conversations", "320", "--data.heldout", "60", "--data.regenerate", "True"]
 DATA_COMMAND = "python -m train --out DIR/data --data.prepare_only True " + " ".join(DATA_FLAGS)
@@ -343,7 +344,7 @@ LEVER_TITLES = {
 
 def publish(results: list[dict], command: str, levers_as: str = "learning_levers", head: str = "parallel") -> None:
     """bench/results/learning_efficiency.json (when DIR holds both trainers' runs) and
-    bench/results/LEVERS_AS.json (`bench/render_results.py`); the commands: the data's, the runs'
+    bench/results/LEVERS_AS.json (`python -m bench.render_results`); the commands: the data's, the runs'
     (as they recorded them), then this one."""
     import datetime
     import subprocess
@@ -409,7 +410,7 @@ def publish(results: list[dict], command: str, levers_as: str = "learning_levers
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.learning_efficiency", description=__doc__.split("\n\n")[0])
     p.add_argument("--work", type=Path, required=True)
     p.add_argument(
         "--budgets", type=int, nargs="+", help="token budgets (default 25000 50000 100000; none with --publish)"
@@ -425,9 +426,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     runs = [(t, "default", [] if t == "ours" else {}) for t in args.trainers] + [parse_variant(v) for v in args.variant]
     given = list(argv if argv is not None else sys.argv[1:])
-    command = shlex.join(
-        ["python", "bench/learning_efficiency.py", *(("DIR" if a == str(args.work) else a) for a in given)]
-    )
+    command = command_line("bench.learning_efficiency", [("DIR" if a == str(args.work) else a) for a in given])
     budgets = args.budgets or ([] if args.publish else [25000, 50000, 100000])
     bench = Bench(args.work, args.head) if budgets else None
     results = []

@@ -5,11 +5,11 @@ and TPU compilers, abstract weights, the target's real layer count) whose JSON l
 one file per case; a case whose file exists is not run again, so an interrupted sweep resumes.
 `--publish` turns every case file there into bench/results/memory_plan.json (with
 roofline_estimate.json, the programs' estimates, and memory_fits.json, what fits per target and
-device read off the plan's rows), which `bench/render_results.py` renders into
+device read off the plan's rows), which `python -m bench.render_results` renders into
 docs/benchmarks.md; `--publish --merge` replaces only the rows of the programs those files hold
 (a few cases planned again on a machine without the rest).
 
-    .venv-compile/bin/python bench/memory_plan.py [--only SUBSTRING] [--jobs N] [--out DIR] [--publish [--merge]]
+    .venv-compile/bin/python -m bench.memory_plan [--only SUBSTRING] [--jobs N] [--out DIR] [--publish [--merge]]
 
 Train cases search the longest sequence (4k, 8k, 16k, ... tokens or from --tokens, one sequence per device,
 sequence partitioning auto as `python -m train` runs it) until the compiler refuses the step or
@@ -192,8 +192,8 @@ def header(title: str, order: int, setup: str) -> dict:
         "setup": setup,
         "command": [
             "make compile-venv",
-            ".venv-compile/bin/python bench/memory_plan.py           # every case (resumable)",
-            ".venv-compile/bin/python bench/memory_plan.py --publish",
+            ".venv-compile/bin/python -m bench.memory_plan           # every case (resumable)",
+            ".venv-compile/bin/python -m bench.memory_plan --publish",
         ],
         "hardware": "compiled on 2 CPU cores (no accelerator); planned for the devices named in the table",
         "jax": jax.__version__,
@@ -407,7 +407,7 @@ def publish(out: Path, merge: bool = False) -> Path:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.memory_plan", description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "memory_plan")
     ap.add_argument("--only", default="", help="run the cases whose name contains this")
     ap.add_argument("--publish", action="store_true", help="write bench/results/memory_plan.json from --out")

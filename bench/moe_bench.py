@@ -7,7 +7,7 @@ one token per row), with each expert product of `peagle_jax.models.moe` ("blocks
 blocks, the CPU default; "ragged": jax.lax.ragged_dot; "dense": every expert over every token),
 then transformers' GptOssForCausalLM (torch, eager, same shapes and dtype) when it is installed.
 
-    nice -n 10 .venv/bin/python bench/moe_bench.py [--json bench/moe_bench.json]
+    nice -n 10 .venv/bin/python -m bench.moe_bench [--json bench/moe_bench.json]
 
 Prints a table and writes JSON. Ratios are measured in one run; the machine may be shared.
 """
@@ -18,7 +18,6 @@ import argparse
 import gc
 import json
 import platform
-import time
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from flax import nnx
 from peagle_jax.config import RopeConfig, TargetConfig
 from peagle_jax.models.decoder import Decoder
 from peagle_jax.models.registry import hf_config
+from peagle_jax.timing import side_by_side, timed
 
 
 def bench_config(hidden=1024, layers=8, experts=32, top_k=4, vocab=32000, expert_width=512) -> TargetConfig:
@@ -61,16 +61,6 @@ def bench_config(hidden=1024, layers=8, experts=32, top_k=4, vocab=32000, expert
     )
 
 
-def _timed(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm up
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def bench_jax(cfg: TargetConfig, impl: str, batch: int, prefill: int, steps: int, repeats: int, dtype) -> dict:
     model = Decoder(cfg, dtype=dtype, param_dtype=dtype, rngs=nnx.Rngs(0))
     for layer in model.layers:
@@ -101,10 +91,10 @@ def bench_jax(cfg: TargetConfig, impl: str, batch: int, prefill: int, steps: int
     empty = tuple(
         (jnp.zeros((batch, cache_len, cfg.num_kv_heads, cfg.head_dim), dtype),) * 2 for _ in range(cfg.num_layers)
     )
-    t_prefill = _timed(lambda: prefill_fn(state, tokens, positions, empty), repeats)
+    t_prefill = timed(lambda: prefill_fn(state, tokens, positions, empty), repeats).min_ms / 1000  # the best call
     logits, filled = prefill_fn(state, tokens, positions, empty)
     first = jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32)[:, None]
-    t_decode = _timed(lambda: decode_fn(state, first, prefill, filled), repeats)
+    t_decode = timed(lambda: decode_fn(state, first, prefill, filled), repeats).min_ms / 1000
     toks, _ = decode_fn(state, first, prefill, filled)
     return {
         "impl": impl,
@@ -141,15 +131,10 @@ def bench_transformers(cfg: TargetConfig, batch: int, prefill: int, steps: int, 
                 cache, tok = o.past_key_values, o.logits[:, -1:].argmax(-1)
         return tok
 
-    run_prefill()
-    best_p, best_d = float("inf"), float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = run_prefill()
-        best_p = min(best_p, time.perf_counter() - t)
-        t = time.perf_counter()
-        run_decode(out)
-        best_d = min(best_d, time.perf_counter() - t)
+    box = {}
+    runs = {"prefill": lambda: box.update(out=run_prefill()), "decode": lambda: run_decode(box["out"])}
+    best = {name: t.min_ms / 1000 for name, t in side_by_side(runs, repeats).items()}  # in turn, the best calls
+    best_p, best_d = best["prefill"], best["decode"]
     return {
         "impl": f"transformers {transformers.__version__} (torch {torch.__version__}, eager)",
         "prefill_tok_s": batch * prefill / best_p,
@@ -160,7 +145,7 @@ def bench_transformers(cfg: TargetConfig, batch: int, prefill: int, steps: int, 
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.moe_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--prefill", type=int, default=256)
     p.add_argument("--decode-steps", type=int, default=16)

@@ -1,10 +1,10 @@
 """What a P-EAGLE head gives when served as plain EAGLE-3 (what vLLM 0.34 and later run for a head
 exported `--as eagle3`): the same trained head drafting in parallel (one pass, as trained) and in
 chain mode (one token a pass, each fed the drafter's own hidden state, as EAGLE-3), side by side in
-one run (`infer.bench.compare`: plain decoding and both modes at every K, interleaved batch by
+one run (`infer.compare.compare`: plain decoding and both modes at every K, interleaved batch by
 batch, greedy outputs checked equal to plain decoding's).
 
-    python bench/peagle_as_eagle3.py --drafter runs/demo/head [--target gemma3-270m] [--k 1,2,3,4,5,6,7]
+    python -m bench.peagle_as_eagle3 --drafter runs/demo/head [--target gemma3-270m] [--k 1,2,3,4,5,6,7]
         [--prompts mtbench] [--limit 8] [--max-new-tokens 64] [--raw runs/bench/peagle_as_eagle3.json]
         [--results bench/results/peagle_as_eagle3.json]
 
@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import platform
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +25,9 @@ from pathlib import Path
 import jax
 
 import peagle_jax as pj
-from infer.bench import Head, compare, source_prompt_ids
+from bench.command import command_line
+from infer.compare import Head, compare
+from infer.load import source_prompt_ids
 from peagle_jax.assets import ASSETS, prepare
 from peagle_jax.folders import atomic_write_text
 
@@ -34,7 +35,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.peagle_as_eagle3",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--drafter", required=True, help="a trained P-EAGLE head (any format load_drafter reads)")
     ap.add_argument("--target", default="gemma3-270m", help="the head's target: an asset name or a HF folder")
     ap.add_argument("--k", default="1,2,3,4,5,6,7")
@@ -105,7 +110,7 @@ def results_file(args, result: dict, ks: list[int], head) -> dict:
             "weights drafting one token a pass from their own hidden state (EAGLE-3), which is what vLLM 0.34 "
             "and later run for the head exported `--as eagle3` (vLLM 0.34 refuses it as P-EAGLE)."
         ),
-        "command": "python bench/peagle_as_eagle3.py " + shlex.join(sys.argv[1:]),
+        "command": command_line("bench.peagle_as_eagle3"),
         "hardware": hardware(),
         "jax": jax.__version__,
         "commit": commit(),

@@ -12,7 +12,7 @@ its tokens after the first). Prompts are MT-Bench questions of at most --max-pro
 which the server compiles at start; static generate is compiled, untimed, on batches of the
 shortest and of the longest prompt first).
 
-    python bench/serve_bench.py [--target gemma3-270m] [--drafter DIR] [--clients 1,4,16] \
+    python -m bench.serve_bench [--target gemma3-270m] [--drafter DIR] [--clients 1,4,16] \
         [--prompts 16] [--max-new-tokens 32] [--max-batch 16] [--max-len 256] [--k 3] \
         [--repeats 3] [--rounds-per-step 1] [--json bench/results/serve_bench.json]
 
@@ -41,6 +41,7 @@ import jax
 import numpy as np
 
 import peagle_jax as pj
+from bench.command import command_line
 from infer import SpeculativeDecoder
 from peagle_jax.assets import prepare
 from peagle_jax.chat import encode_prompt
@@ -146,7 +147,9 @@ def summary(passes: list[tuple[list[dict], float]]) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.serve_bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--target", default="gemma3-270m", help="a HF folder, or gemma3-270m (the prepared asset)")
     p.add_argument("--drafter", help="a head folder (default: a random P-EAGLE head)")
     p.add_argument("--clients", default="1,4,16")
@@ -230,7 +233,6 @@ def write(args, rows, raw) -> None:
     for r in rows:
         print("| " + " | ".join(map(str, r)) + " |")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    argv = " ".join(sys.argv[1:])
     data = {
         "title": "Serving: continuous batching (python -m infer serve) vs static batched generate",
         "order": 60,
@@ -239,7 +241,7 @@ def write(args, rows, raw) -> None:
         f"new tokens each, {args.repeats} passes a side interleaved (tokens/s: the median pass); one server of --max-batch {args.max_batch} x --max-len {args.max_len} "
         f"(--rounds-per-step {args.rounds_per_step}) for every "
         f"client count; static: generate in batches of C.",
-        "command": f"python bench/serve_bench.py {argv}".strip(),
+        "command": command_line("bench.serve_bench"),
         "hardware": f"{platform.machine()}, {os.cpu_count()} cores, no accelerator; shared with other jobs",
         "jax": jax.__version__,
         "commit": commit.stdout.strip(),

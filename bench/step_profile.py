@@ -1,5 +1,5 @@
 """Per-op profiles of one training step, ours (XLA's trace, summed by HLO instruction) and
-speculators' (torch.profiler), split by what each op works on (bench/train_speed.py --profile)."""
+speculators' (torch.profiler), split by what each op works on (`python -m bench.train_speed --profile`)."""
 
 from __future__ import annotations
 

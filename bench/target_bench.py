@@ -1,6 +1,6 @@
 """Target forward speed: our JAX target vs transformers `generate`, side by side in one run.
 
-    python bench/target_bench.py [--path DIR | --asset gemma3-270m] [--batch 1 8]
+    python -m bench.target_bench [--path DIR | --asset gemma3-270m] [--batch 1 8]
         [--prompt-len 128] [--new-tokens 32] [--repeats 3] [--torch-threads N]
         [--json runs/bench/target_bench.json]
 
@@ -11,9 +11,9 @@ the same prompts and token counts on both sides. JAX: the engine's plain decodin
 jitted `lax.while_loop` of rounds, warmed up first so compile time is excluded.
 transformers: `generate(max_new_tokens=1)` is the prefill; `generate(max_new_tokens=N)` minus it
 is the decode (min_new_tokens=N so EOS never stops early). Runs alternate between the two
-(the machine is shared); the best of `--repeats` is reported (all times go to the JSON). Decoding at batch B reads
-every weight once per step, so weight bytes per decoded token = param bytes / B and the
-implied bandwidth = param bytes * steps/s.
+(the machine is shared: `peagle_jax.timing.side_by_side`); the best of `--repeats` is reported
+(all times go to the JSON). Decoding at batch B reads every weight once per step, so weight
+bytes per decoded token = param bytes / B and the implied bandwidth = param bytes * steps/s.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.command import command_line
 
 TEXT = (
     "Speculative decoding speeds up autoregressive generation by letting a small draft model "
@@ -46,16 +48,8 @@ def _prompts(tokenizer, vocab: int, batch: int, length: int) -> np.ndarray:
     return np.array([[bos] + r for r in rows], np.int32)
 
 
-def _timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
 def bench_jax(target, prompts: np.ndarray, new: int):
     """Prefill and decode of the engine's plain decoding (mode "none": what `generate_greedy` runs)."""
-    import jax
-
     from peagle_jax.engine import SpeculativeDecoder
     from peagle_jax.engine import speculative as sp
 
@@ -64,23 +58,19 @@ def bench_jax(target, prompts: np.ndarray, new: int):
     state = {}
 
     def run_prefill():
-        t0 = time.perf_counter()
         cfg, _, st = dec.start(rows, max_new_tokens=new)
-        jax.block_until_ready(st)
         state.update(cfg=cfg, state=st)
-        return time.perf_counter() - t0
+        return st
 
     def run_decode():
-        t0 = time.perf_counter()
         st = sp.jit_generate(state["cfg"], *dec.modules(), state.pop("state"))
         state["out"] = np.asarray(st.out)[:, :new]
-        return time.perf_counter() - t0
 
     return run_prefill, run_decode, state
 
 
 def bench_lm_head(target, batch: int):
-    """Time of the lm_head + argmax alone on [B, 1, H] (the 262k-vocab product of each step)."""
+    """The lm_head + argmax alone on [B, 1, H] (the 262k-vocab product of each step), to time."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -90,8 +80,7 @@ def bench_lm_head(target, batch: int):
         return jnp.argmax(nnx.merge(target.graphdef, state).lm_logits(h), axis=-1)
 
     h = jnp.ones((batch, 1, target.config.hidden_size), target.dtype)
-    jax.block_until_ready(head(target.state, h))
-    return lambda: _timed(lambda: jax.block_until_ready(head(target.state, h)))
+    return lambda: head(target.state, h)
 
 
 def bench_hf(model, prompts: np.ndarray, new: int):
@@ -107,20 +96,14 @@ def bench_hf(model, prompts: np.ndarray, new: int):
                 ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
             )
 
-    def run_prefill():
-        return _timed(lambda: gen(1))
-
     def run_full():
-        t0 = time.perf_counter()
-        out = gen(new)
-        state["out"] = out[:, prompts.shape[1] :].numpy()
-        return time.perf_counter() - t0
+        state["out"] = gen(new)[:, prompts.shape[1] :].numpy()
 
-    return run_prefill, run_full, state
+    return lambda: gen(1), run_full, state
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.target_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--path", help="HF folder of the target (default: the prepared --asset)")
     p.add_argument("--asset", default="gemma3-270m")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -144,6 +127,7 @@ def main(argv=None) -> int:
     import torch
 
     import peagle_jax as pj
+    from peagle_jax.timing import side_by_side
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
@@ -175,22 +159,14 @@ def main(argv=None) -> int:
     for b in args.batch:
         prompts = _prompts(target.tokenizer, target.config.vocab_size, b, args.prompt_len)
         j_pre, j_dec, j_state = bench_jax(target, prompts, args.new_tokens)
-        j_head = bench_lm_head(target, b)
-        t0 = time.perf_counter()
-        j_pre(), j_dec()  # compile + warm up
-        compile_s = time.perf_counter() - t0
+        runs = {"jax_prefill": j_pre, "jax_decode": j_dec, "jax_lm_head": bench_lm_head(target, b)}
         if hf is not None:
             h_pre, h_full, h_state = bench_hf(hf, prompts, args.new_tokens)
-            h_pre(), h_full()
-        times = {"jax_prefill": [], "jax_decode": [], "jax_lm_head": [], "hf_prefill": [], "hf_full": []}
-        for _ in range(args.repeats):
-            times["jax_prefill"].append(j_pre())
-            times["jax_decode"].append(j_dec())
-            times["jax_lm_head"].append(min(j_head() for _ in range(3)))
-            if hf is not None:
-                times["hf_prefill"].append(h_pre())
-                times["hf_full"].append(h_full())
-        med = {k: min(v) for k, v in times.items() if v}  # best of --repeats: the least disturbed run
+            runs.update(hf_prefill=h_pre, hf_full=h_full)
+        timings = side_by_side(runs, args.repeats)  # each warmed up (compiled) first, then in turn
+        compile_s = timings["jax_prefill"].first_s + timings["jax_decode"].first_s
+        times = {k: list(t.times) for k, t in timings.items()}
+        med = {k: t.min_ms / 1000 for k, t in timings.items()}  # best of --repeats: the least disturbed run
         steps = args.new_tokens - 1
         row = {
             "batch": b,
@@ -237,7 +213,7 @@ def main(argv=None) -> int:
         )
     result = {
         "loadavg_start_end": [load_start, os.getloadavg()],
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line("bench.target_bench", argv),
         "target": repr(target),
         "param_bytes": param_bytes,
         "machine": {

@@ -12,7 +12,7 @@ Every configuration runs in its own subprocess, so its peak RSS (VmHWM) is its o
 kills a child whose RSS passes --limit-gb, or when the machine's MemAvailable falls under
 --reserve-gb, and records "out of memory" instead of letting the machine swap or OOM-kill.
 
-    python bench/train_memory.py [--lengths 2048,8192,16384,32768] [--variants flat,partitioned]
+    python -m bench.train_memory [--lengths 2048,8192,16384,32768] [--variants flat,partitioned]
         [--rows-per-segment 8192] [--limit-gb 20] [--json runs/bench/train_memory.json]
 """
 
@@ -27,6 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.command import command_line
+
+ROOT = Path(__file__).resolve().parents[1]
 ROW_FACTOR, K, DRAFT_VOCAB = 3.5, 8, 16384
 
 
@@ -58,6 +61,7 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
 
     import peagle_jax as pj
     from peagle_jax.assets import prepare
+    from peagle_jax.timing import side_by_side
     from train import cod
     from train.data import Example
     from train.flags import from_dict
@@ -99,14 +103,17 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
         "compile_s": compile_s,
         "xla_temp_gb": None if plan is None else plan.temp_size_in_bytes / 2**30,
     }
-    times, losses = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        params, opt_state, m = compiled(params, opt_state, frozen, stepper.head_w, aux, y, batch)
-        losses.append(float(jax.block_until_ready(m["loss"])))
-        times.append(time.perf_counter() - t0)
+    state, losses = [params, opt_state], []
+
+    def step():  # the compiled step donates its state: each call takes the last one
+        state[0], state[1], m = compiled(*state, frozen, stepper.head_w, aux, y, batch)
+        losses.append(float(m["loss"]))
+
+    timing = side_by_side({"step": step}, steps, first=False)["step"]  # compiled ahead: every step timed
     rec.update(
-        peak_rss_gb=_status("self", "VmHWM"), step_s=min(times) if times else None, loss=losses[0] if losses else None
+        peak_rss_gb=_status("self", "VmHWM"),
+        step_s=timing.min_ms / 1000 if steps else None,
+        loss=losses[0] if losses else None,
     )
     Path(out).write_text(json.dumps(rec))
 
@@ -114,8 +121,8 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
 def run_one(length: int, segments: int, steps: int, limit_gb: float, reserve_gb: float, timeout: float) -> dict:
     out = Path(tempfile.gettempdir()) / f"train_memory_{os.getpid()}_{length}_{segments}.json"
     out.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "--child", str(length), str(segments), str(steps), str(out)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "bench.train_memory", "--child", str(length), str(segments), str(steps), str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     peak, why, t0 = 0.0, None, time.perf_counter()
     while proc.poll() is None:
         rss = _status(proc.pid, "VmRSS")
@@ -145,7 +152,7 @@ def rows_of(length: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.train_memory", description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="2048,8192,16384,32768")
     ap.add_argument("--variants", default="flat,partitioned")
     ap.add_argument("--rows-per-segment", type=int, default=8192, help="partitioned: S = ceil(rows / this), >= 2")
@@ -178,7 +185,7 @@ def main() -> None:
             )
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "cpus": os.cpu_count(), "k": K}
+    meta = {"command": command_line("bench.train_memory"), "cpus": os.cpu_count(), "k": K}
     path.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
     print(f"wrote {path}")
 

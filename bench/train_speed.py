@@ -35,7 +35,8 @@ supervised (default 0.9; the bundled ShareGPT chats supervise 70% of their token
 loss cost us no vocabulary work (`train.loss.fused_kl`), speculators computes them and masks.
 
 Timing: each side's first step (XLA compile; torch's first call) is excluded, then --repeats
-rounds of ours, theirs (each --their-attn), ours, theirs, ... in one process; the median and
+rounds of ours, theirs (each --their-attn), ours, theirs, ... in one process
+(`peagle_jax.timing.side_by_side`); the median and
 min step times are reported, with sequence tokens/s and COD rows/s (real rows, the same both
 sides), and speedup = their median / ours. --threads N restricts the process to N cores (XLA
 sizes its pool from the affinity mask) and sets torch's threads to N. --profile adds one
@@ -43,7 +44,7 @@ profiled step per side: torch.profiler self CPU time by (op, input shapes); XLA'
 by HLO instruction (thread-ms), each with its shapes and JAX op name from the compiled module;
 both split into draft vocab / embedding / attention / other by the shapes the ops touch.
 
-    python bench/train_speed.py [--lengths 512,2048] [--repeats 5] [--their-attn sdpa,eager]
+    python -m bench.train_speed [--lengths 512,2048] [--repeats 5] [--their-attn sdpa,eager]
         [--threads N] [--train-embed] [--attention auto|dense|kernels] [--loss-fraction F] [--layers N] [--profile]
         [--json runs/bench/train_speed.json]
 """
@@ -53,12 +54,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
 import warnings
 from pathlib import Path
+
+from bench.command import command_line
 
 K, DRAFT_VOCAB, ROW_FACTOR, ROW_GRANULARITY = 8, 16384, 3.5, 512
 ATTN = ("sdpa", "eager")  # simple_flex_attention: no backward on CPU
@@ -225,27 +227,19 @@ def measure(length: int, a) -> dict:
     our_step, our_hlo, theirs, info = build(
         length, a.threads, a.their_attn, a.small, a.train_embed, a.attention, a.loss_fraction, a.layers
     )
-    t0 = time.perf_counter()
-    info["loss_ours"] = our_step()
-    info["ours_first_s"] = time.perf_counter() - t0
-    for attn, (step, _) in theirs.items():
-        t0 = time.perf_counter()
-        info[f"loss_theirs[{attn}]"] = step()
-        info[f"theirs_first_s[{attn}]"] = time.perf_counter() - t0
-    times: dict[str, list[float]] = {"ours": [], **{attn: [] for attn in theirs}}
-    for _ in range(a.repeats):
-        for name in times:
-            f = our_step if name == "ours" else theirs[name][0]
-            t0 = time.perf_counter()
-            f()
-            times[name].append(time.perf_counter() - t0)
+    from peagle_jax.timing import side_by_side, wall
+
+    steps = {"ours": our_step, **{attn: step for attn, (step, _) in theirs.items()}}
+    info["ours_first_s"], info["loss_ours"] = wall(our_step)
+    for attn, step in list(steps.items())[1:]:
+        info[f"theirs_first_s[{attn}]"], info[f"loss_theirs[{attn}]"] = wall(step)
     sides = {}
-    for name, ts in times.items():
-        med = statistics.median(ts)
+    for name, t in side_by_side(steps, a.repeats, first=False).items():
+        med = t.ms / 1e3
         sides[name] = {
-            "times_s": ts,
-            "median_ms": med * 1e3,
-            "min_ms": min(ts) * 1e3,
+            "times_s": list(t.times),
+            "median_ms": t.ms,
+            "min_ms": t.min_ms,
             "tokens_per_s": length / med,
             "rows_per_s": info["rows"] / med,
         }
@@ -253,7 +247,7 @@ def measure(length: int, a) -> dict:
     ours = sides["ours"]["median_ms"]
     info["speedup"] = {attn: sides[attn]["median_ms"] / ours for attn in theirs}
     if a.profile:
-        from step_profile import profile_ours, profile_theirs  # bench/step_profile.py, beside this file
+        from bench.step_profile import profile_ours, profile_theirs
 
         info["profile_ours"] = profile_ours(our_step, our_hlo(), info, a.top)
         info["profile_theirs"] = {attn: profile_theirs(step, info, a.top) for attn, (step, _) in theirs.items()}
@@ -279,7 +273,7 @@ def commit() -> str | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.train_speed", description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="512,2048", help="sequence lengths (tokens), comma separated")
     ap.add_argument("--repeats", type=int, default=5, help="timed rounds (each: ours, then theirs)")
     ap.add_argument(
@@ -365,7 +359,7 @@ def main(argv=None) -> int:
     import torch
 
     meta = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command_line("bench.train_speed", argv),
         "cpus": len(os.sched_getaffinity(0)),
         "threads": a.threads,
         "torch_threads": torch.get_num_threads(),
@@ -393,8 +387,6 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     return 0
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling bench/step_profile.py
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -332,7 +332,7 @@ def _dispatch(args) -> int:
     if args.command == "generate":
         run_generate(args)
         return 0
-    from infer.bench import Head, run_bench
+    from infer.compare import Head, run_bench
 
     target, drafters, stops = _load(args)
     if args.mode == "none":

@@ -26,9 +26,10 @@ import time
 import jax
 import jax.numpy as jnp
 
-from infer.bench import round_breakdown, round_timing, synthetic_prompts, timed
+from infer.load import synthetic_prompts
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.folders import atomic_write_text
+from peagle_jax.timing import round_breakdown, round_timing, timed
 
 COLUMNS = (
     "mode",

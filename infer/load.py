@@ -1,5 +1,6 @@
-"""Loading what a command runs: the target (its weights, or dummy ones) and heads (a folder, or a
-fresh random one). JAX and the library load inside the functions: the CLI parses its flags first."""
+"""Loading what a command runs: the target (its weights, or dummy ones), heads (a folder, or a
+fresh random one) and prompts (a set, a JSONL file, or random token ids). JAX and the library
+load inside the functions: the CLI parses its flags first."""
 
 from __future__ import annotations
 
@@ -68,3 +69,42 @@ def synthetic_lengths(source: str) -> list[int] | None:
     except ValueError:
         return None
     return lengths if lengths and min(lengths) > 0 else None
+
+
+SYNTHETIC_COUNT = 8  # prompts of --prompts synthetic:LENGTHS without --limit
+
+
+def synthetic_prompts(batch: int, length: int, vocab: int, avoid=(), seed: int = 0) -> list[list[int]]:
+    """`batch` prompts of `length` random token ids in [0, vocab), none of them in `avoid` (eos)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, vocab, size=(batch, length))
+    for token in avoid:
+        ids[ids == token] = (token + 1) % vocab
+    return ids.tolist()
+
+
+def source_prompt_ids(target, source: str, limit: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
+    """Token ids of the prompts of `source` (mtbench | humaneval | a JSONL file) in the target's
+    format, or of `synthetic:LENGTHS` (random ids, `limit` or 8 prompts cycling through the
+    lengths); with `max_tokens`, longer prompts are left out; at most `limit` of them."""
+    from peagle_jax.engine import load_prompts, prompt_ids
+
+    lengths = synthetic_lengths(source)
+    if lengths is not None:
+        c = target.config
+        rows = [synthetic_prompts(1, lengths[i % len(lengths)], c.vocab_size, c.eos_token_id, seed=i)[0]
+                for i in range(limit or SYNTHETIC_COUNT)]  # fmt: skip
+        ids = [r for r in rows if max_tokens is None or len(r) <= max_tokens]
+    elif target.tokenizer is None:
+        where = getattr(target, "path", None) or "the target"
+        raise ValueError(
+            f"--prompts {source}: text prompts need a tokenizer, and {where} has none (tokenizer.json); "
+            "--prompts synthetic:LENGTHS needs none"
+        )
+    else:
+        ids = prompt_ids(target.tokenizer, load_prompts(source), max_tokens, limit)
+    if not ids:
+        raise ValueError(f"--prompts {source}: no prompts" + (f" of at most {max_tokens} tokens" if max_tokens else ""))
+    return ids

@@ -2,12 +2,11 @@
 loads a model or compiles, with one `error:` line naming the flag and exit status 2, and writes
 nothing (an output path: its parent a writable folder, itself not a folder where a file goes nor
 a file where a folder goes). The command lines run their main in the test process
-(`in_process`; bench/device.py's `main` loaded from its file)."""
+(`in_process`; `bench.device.main` too)."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 from pathlib import Path
 
@@ -16,8 +15,6 @@ import pytest
 from in_process import run_module
 
 import peagle_jax as pj
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +28,11 @@ def root(tmp_path_factory) -> Path:
 
 
 def device_main(argv: list[str]) -> tuple[int, str]:
-    spec = importlib.util.spec_from_file_location("device_flags", ROOT / "bench" / "device.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    from bench.device import main
+
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = mod.main(argv)
+        code = main(argv)
     return code, err.getvalue()
 
 
@@ -150,6 +146,6 @@ def test_device_playbook_flags(root, tmp_path, flags, says):
     argv = ["--out", str(tmp_path / "dev"), "--smoke", *(f.format(**fill) for f in flags)]
     code, err = device_main(argv)
     lines = err.strip().splitlines()
-    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: python bench/device.py: "), err
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: python -m bench.device: "), err
     assert says.format(**fill) in lines[0], err
     assert list(tmp_path.iterdir()) == []

@@ -11,7 +11,7 @@ import pytest
 
 import peagle_jax as pj
 from infer.__main__ import main, parse_args
-from infer.bench import head_summary
+from infer.compare import head_summary
 from train.tiny import build_tiny_target
 
 

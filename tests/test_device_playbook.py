@@ -1,4 +1,4 @@
-"""bench/device.py, the device playbook: the --smoke run on CPU goes through every stage (kernels,
+"""`python -m bench.device`, the device playbook: the --smoke run on CPU goes through every stage (kernels,
 train_step, train_head, evaluate) and records each in results.json; a stage that fails or
 overruns its budget is recorded and the next one still runs; usage errors exit 2; the TPU
 kernel check runs interpreted. No test here depends on how fast this machine is: the smoke's
@@ -6,7 +6,7 @@ budget is far above what it needs, and the overrunning stage is one made to hang
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -18,15 +18,12 @@ import pytest
 from limits import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "bench" / "device.py"
+PLAYBOOK = [sys.executable, "-m", "bench.device"]
 STAGES = ("kernels", "cost", "train_step", "train_head", "evaluate")
 
 
 def _module(name: str = "device"):
-    spec = importlib.util.spec_from_file_location(f"{name}_playbook", ROOT / "bench" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"bench.{name}")
 
 
 def _playbook(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict | None, float]:
@@ -34,7 +31,7 @@ def _playbook(out: Path, *flags: str) -> tuple[subprocess.CompletedProcess, dict
     the machine is, the stages end by finishing their work, never by their budgets (the timeout
     is a hang guard only)."""
     t0 = time.monotonic()
-    cmd = [sys.executable, str(SCRIPT), "--smoke", "--out", str(out), "--minutes", "60", *flags]
+    cmd = [*PLAYBOOK, "--smoke", "--out", str(out), "--minutes", "60", *flags]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     path = out / "results.json"
     return proc, json.loads(path.read_text()) if path.exists() else None, time.monotonic() - t0
@@ -58,7 +55,7 @@ def test_smoke_runs_every_stage_and_records_it(smoke):
         assert stage["results"], name
         assert (out / stage["log"]).is_file()
     assert res["complete"] is True
-    assert res["command"].startswith("python bench/device.py --smoke")
+    assert res["command"].startswith("python -m bench.device --smoke")
     assert res["device"]["platform"] == "cpu" and res["device"]["jax"]
     assert Path(res["head"]).is_dir() and (out / "head" / "vllm" / "config.json").is_file()
     assert sum(s["seconds"] for s in res["stages"].values()) <= res["seconds"]
@@ -216,7 +213,8 @@ def test_evaluate_plan_sizes_the_prompts_to_its_time(tmp_path):
 )
 def test_usage_errors_exit_2(tmp_path, flags, message):
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "o"), *flags],
+        [*PLAYBOOK, "--out", str(tmp_path / "o"), *flags],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=HANG_S,
@@ -226,17 +224,13 @@ def test_usage_errors_exit_2(tmp_path, flags, message):
 
 def test_out_must_be_new_or_empty(tmp_path):
     (tmp_path / "results.json").write_text("{}")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path)], capture_output=True, text=True)
+    proc = subprocess.run([*PLAYBOOK, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2 and "not an empty folder" in proc.stderr
 
 
 def test_tpu_kernel_check_interpreted(tmp_path):
-    sys.path[:0] = [str(ROOT / "bench")]  # device_stages imports its sibling bench/device.py
-    try:
-        stages = _module("device_stages")
-        stages.tpu_kernels_stage(tmp_path / "tpu.json", time.monotonic() + 3600, smoke=True)  # every row, any load
-    finally:
-        sys.path.remove(str(ROOT / "bench"))
+    stages = _module("device_stages")
+    stages.tpu_kernels_stage(tmp_path / "tpu.json", time.monotonic() + 3600, smoke=True)  # every row, any load
     rows = json.loads((tmp_path / "tpu.json").read_text())["rows"]
     assert {(r["kind"], r["impl"]) for r in rows} == {
         ("attention", "xla"),
@@ -250,7 +244,7 @@ def test_tpu_kernel_check_interpreted(tmp_path):
             assert r["rel_err_vs_xla"] < 1e-4
 
 
-def test_the_train_step_stage_estimates_a_step_where_the_device_has_rates(monkeypatch):
+def test_the_train_step_stage_estimates_a_step_where_the_device_has_rates():
     """The roofline estimate each timed step records beside its measurement (measured / estimated
     calibrates the model): a compiled step's jaxpr FLOPs and XLA's bytes on an H200's rates; none on
     a device without published rates (the CPU)."""
@@ -259,7 +253,6 @@ def test_the_train_step_stage_estimates_a_step_where_the_device_has_rates(monkey
 
     from peagle_jax.plan.devices import rates
 
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))
     stages = _module("device_stages")
     w, x = jnp.ones((256, 512)), jnp.ones((64, 256))
     traced = jax.jit(lambda w, x: jnp.tanh(x @ w)).trace(w, x)

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RENDER = ROOT / "bench" / "render_results.py"
 RESULTS = ROOT / "bench" / "results"
 RESULT_FILES = sorted(RESULTS.glob("*.json"))
 DOCS = sorted((ROOT / "docs").rglob("*.md")) + [ROOT / "README.md", ROOT / "CHANGELOG.md"]
@@ -21,7 +20,9 @@ NARRATION = re.compile(r"this session|sessions|session |no device was lent|\biss
 
 
 def render(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(RENDER), *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "bench.render_results", *args], capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def test_benchmarks_doc_is_rendered_from_results():

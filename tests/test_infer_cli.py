@@ -189,7 +189,7 @@ def test_k_is_checked_against_the_cache_at_both_sides_of_the_boundary(assets):
 def test_text_prompts_without_a_tokenizer_name_the_target():
     import types
 
-    from infer.bench import source_prompt_ids
+    from infer.load import source_prompt_ids
 
     with pytest.raises(ValueError, match="need a tokenizer, and /x/target has none"):
         source_prompt_ids(types.SimpleNamespace(tokenizer=None, path="/x/target"), "mtbench")

@@ -1,21 +1,15 @@
-"""bench/learning_efficiency.py's bookkeeping (no training): a variant's --bench.epochs leaves the
+"""`python -m bench.learning_efficiency`'s bookkeeping (no training): a variant's --bench.epochs leaves the
 trainer's flags, a run compares with the base it recorded (older runs: by their name), and a
 publication lists the data's command, each run's own command, then its own."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("learning_efficiency", ROOT / "bench" / "learning_efficiency.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("bench.learning_efficiency")
 
 
 def result(variant, acceptance, base=None, command=None, budget=19200):
@@ -58,17 +52,17 @@ def test_publish_lists_the_commands_and_keeps_the_efficiency_table(tmp_path, mon
     efficiency.write_text('{"kept": true}')
     monkeypatch.setattr(bench, "ROOT", tmp_path)
     runs = [
-        result("default", 1.22, base="default", command="python bench/learning_efficiency.py --work DIR --a"),
-        result("ce1", 1.30, base="default", command="python bench/learning_efficiency.py --work DIR --b"),
-        result("ce05", 1.25, base="default", command="python bench/learning_efficiency.py --work DIR --b"),
+        result("default", 1.22, base="default", command="python -m bench.learning_efficiency --work DIR --a"),
+        result("ce1", 1.30, base="default", command="python -m bench.learning_efficiency --work DIR --b"),
+        result("ce05", 1.25, base="default", command="python -m bench.learning_efficiency --work DIR --b"),
     ]
-    bench.publish(runs, "python bench/learning_efficiency.py --work DIR --publish", "levers_x")
+    bench.publish(runs, "python -m bench.learning_efficiency --work DIR --publish", "levers_x")
     table = json.loads((results_dir / "levers_x.json").read_text())
     assert table["command"] == [
         bench.DATA_COMMAND,
-        "python bench/learning_efficiency.py --work DIR --a",
-        "python bench/learning_efficiency.py --work DIR --b",
-        "python bench/learning_efficiency.py --work DIR --publish",
+        "python -m bench.learning_efficiency --work DIR --a",
+        "python -m bench.learning_efficiency --work DIR --b",
+        "python -m bench.learning_efficiency --work DIR --publish",
     ]
     assert [row[2] for row in table["rows"]] == ["ce05", "ce1", "default"]
     assert json.loads(efficiency.read_text()) == {"kept": True}  # no speculators runs: not rewritten

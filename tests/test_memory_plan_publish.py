@@ -1,24 +1,16 @@
-"""bench/memory_plan.py --publish: with --merge, a few cases planned again replace the published rows
+"""`python -m bench.memory_plan --publish`: with --merge, a few cases planned again replace the published rows
 of their programs in place and keep the rest, their "Longest ..." notes replace the old ones, and
 each program keeps the commit it was planned at across merges; the what-fits table is read off the
 published rows. (The plans themselves need the compile venv.)"""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "memory_plan.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("memory_plan_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.memory_plan")
 
 
 def test_merged_replaces_each_key_in_place_and_appends_new_keys():

@@ -1,4 +1,4 @@
-"""`python -m infer.report --smoke`: the whole pipeline (data, the three heads P-EAGLE, EAGLE-3 and
+"""`python -m report --smoke`: the whole pipeline (data, the three heads P-EAGLE, EAGLE-3 and
 DFlash trained by `python -m train`, evaluation, results.json, plots, report) on the tiny preset,
 then a rerun that reuses every finished stage, an evaluation of other heads redone, the one-line
 errors, and the rendering (every head's columns, the ratios, the paper's published figures as
@@ -14,11 +14,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from infer.report import main
-from infer.report.common import HEADS
-from infer.report.reference import acceptance
-from infer.report.render import markdown
-from infer.report.stages import Stages, train_settings, trainer_command
+from report import main
+from report.common import HEADS
+from report.reference import acceptance
+from report.render import markdown
+from report.stages import Stages, train_settings, trainer_command
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = ("P-EAGLE", "EAGLE-3", "DFlash")
@@ -172,12 +172,11 @@ def test_usage_errors_are_one_line(argv, flag, capsys):
     assert flag in err[0], err
 
 
-def test_python_dash_m_runs_the_package():
-    proc = subprocess.run(
-        [sys.executable, "-m", "infer.report", "--batches", "0"], cwd=ROOT, capture_output=True, text=True
-    )
+@pytest.mark.parametrize("name", ["report", "infer.report"])  # infer.report: the earlier name, forwarded
+def test_python_dash_m_runs_the_package(name):
+    proc = subprocess.run([sys.executable, "-m", name, "--batches", "0"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("error: python -m infer.report: argument --batches")
+    assert proc.stderr.strip().startswith("error: python -m report: argument --batches")
 
 
 # ---------------------------------------------------------------- stage records and trainer commands
@@ -274,7 +273,7 @@ def _results(ks=(3, 7), heads=LABELS):
             "platform": "p", "cpu": "c", "cpu_count": 2, "jax_backend": "cpu", "devices": ["cpu:0"], "python": "3",
             "jax": "0",
         },
-        "command": "python -m infer.report",
+        "command": "python -m report",
         "stages": {"data": {"seconds": 1.0, "commands": ["python -m train"], "load_average": None}},
         "wall_seconds_this_run": 1.0,
         "training": {h: {**training, "mode": modes[h]} for h in heads},
@@ -423,7 +422,7 @@ def test_paper_acceptance_is_published_at_k7_only():
 def test_the_committed_report_is_a_full_run_and_its_markdown_is_generated():
     """docs/report/results.json holds the full default run (every head, set, K and batch with the
     issue's keys, every greedy output equal to plain decoding) and docs/report.md is exactly what
-    `infer.report.render.markdown` writes from it (no hand edits)."""
+    `report.render.markdown` writes from it (no hand edits)."""
     docs = ROOT / "docs"
     res = json.loads((docs / "report" / "results.json").read_text())
     s = res["settings"]
@@ -449,7 +448,7 @@ def test_the_committed_report_is_a_full_run_and_its_markdown_is_generated():
 def test_commands_name_no_machine_folder(monkeypatch, tmp_path):
     """The report shows commands as a user types them: paths under the working directory relative
     to it, under the home folder as ~/..., any other path as it is."""
-    from infer.report.stages import shown
+    from report.stages import shown
 
     home, work = tmp_path / "home", tmp_path / "home" / "project"
     work.mkdir(parents=True)
@@ -458,7 +457,7 @@ def test_commands_name_no_machine_folder(monkeypatch, tmp_path):
     cmd = [sys.executable, "-m", "train", "--out", str(work / "runs" / "a b"), "--model.target"]
     cmd += [str(home / ".cache" / "gemma"), "--data.source", "/data/x.jsonl"]
     assert shown(cmd) == "python -m train --out 'runs/a b' --model.target ~/.cache/gemma --data.source /data/x.jsonl"
-    from infer.report.evaluate import stage_times
+    from report.evaluate import stage_times
 
     record = {"seconds": 1.0, "commands": [f"python -m infer bench --target {home}/.cache/gemma --drafter {work}/h"]}
     times = stage_times(record, {}, [{**record, "dataset": "mtbench", "batch": 1}])

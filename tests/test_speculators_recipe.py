@@ -1,4 +1,4 @@
-"""bench/speculators_recipe.py on the tiny Llama target (`train.tiny`), with features from our
+"""bench.speculators_recipe on the tiny Llama target (`train.tiny`), with features from our
 trainer's feature function (`train.step.features`): speculators' P-EAGLE recipe trains (finite
 losses; a repeated example is fitted), its saved head loads with `peagle_jax.load_drafter` with our
 draft vocabulary, lm_head frozen at the target's rows, embed_tokens trained; the batch is their
@@ -7,8 +7,7 @@ DFlash recipe trains with its own defaults and unshifted batches, and its head l
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+import importlib
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ pytestmark = [pytest.mark.speculators, pytest.mark.filterwarnings("ignore::Futur
 torch = pytest.importorskip("torch")
 pytest.importorskip("speculators", exc_type=ImportError)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "speculators_recipe.py"
 LENGTH, PROMPT, N_DRAFT = 48, 12, 40  # one length: our feature function compiles once
 
 
@@ -33,10 +31,7 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("speculators_recipe", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module("bench.speculators_recipe")
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,11 @@
-"""bench/train_speed.py at a tiny size: both sides train (ours: the trainer's cached-features step;
+"""`python -m bench.train_speed` at a tiny size: both sides train (ours: the trainer's cached-features step;
 theirs: speculators' PyTorch P-EAGLE step) on the same rows with positive step times, and their
 first-step losses agree (same head, rows, features and objective)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,13 +14,9 @@ pytestmark = [pytest.mark.speculators, pytest.mark.filterwarnings("ignore::Futur
 pytest.importorskip("torch")
 pytest.importorskip("speculators", exc_type=ImportError)
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "train_speed.py"
-
 
 def test_train_speed_bench_tiny(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("train_speed_bench", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = importlib.import_module("bench.train_speed")
     out = tmp_path / "speed.json"
     argv = ["--small", "--lengths", "48", "--repeats", "1", "--their-attn", "sdpa", "--json", str(out)]
     assert mod.main(argv) == 0

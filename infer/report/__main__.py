@@ -1,8 +1,8 @@
-"""`python -m infer.report` (see `infer.report.cli`)."""
+"""`python -m infer.report` runs `python -m report` (its earlier name, which the docs used)."""
 
 import sys
 
-from infer.report.cli import main
+from report.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

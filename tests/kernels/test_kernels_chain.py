@@ -9,11 +9,11 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import kernel_cases as kt
 import numpy as np
 import pytest
 
 import kernels
+from kernels import cases as kt
 from kernels import chain
 from kernels.layouts import cod_layout, cod_sample, pad_layout
 from kernels.schedule import build_schedule, pad_rows

@@ -223,7 +223,7 @@ def test_decode_tpu_interpret_mode():
     _close(got, decode.attention(q, k, v, q_pos, backend="xla", **kw), jnp.float32)
 
 
-# ---- native runs on a GPU (deselected by default; bench/gpu_check.py runs them) -------
+# ---- native runs on a GPU (deselected by default; python -m bench.gpu_check runs them) -------
 def _need_gpu():
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")

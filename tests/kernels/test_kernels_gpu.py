@@ -1,13 +1,13 @@
 """Pallas GPU (Triton) kernels: interpret mode on CPU vs the reference, and a check that
 the kernels lower to Triton (cross-platform lowering, no GPU needed). With a GPU,
-``bench/gpu_check.py`` runs the ``gpu``-marked tests natively."""
+``python -m bench.gpu_check`` runs the ``gpu``-marked tests natively."""
 
 import jax
 import jax.numpy as jnp
-import kernel_cases as kt
 import pytest
 
 from kernels import AttentionSpec, attention
+from kernels import cases as kt
 
 BLOCKS = dict(block_q=32, block_k=16)
 CASES = [kt.CASE_COD_F32, kt.CASE_COD_BF16, kt.CASE_CAUSAL, kt.CASE_BLOCK]
@@ -38,7 +38,7 @@ def test_gpu_kernels_lower_to_triton():
     assert text.count("xla.gpu.triton") == 3  # fwd, dq, dkv
 
 
-# ---- native runs on a GPU (deselected by default; bench/gpu_check.py runs them) -------
+# ---- native runs on a GPU (deselected by default; python -m bench.gpu_check runs them) -------
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_gpu_native_matches_reference(case):

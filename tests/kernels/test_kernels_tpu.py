@@ -4,11 +4,11 @@ scalar prefetch) for one case, and a check that the kernels lower to Mosaic."""
 
 import jax
 import jax.numpy as jnp
-import kernel_cases as kt
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels import AttentionSpec, attention
+from kernels import cases as kt
 
 
 @pytest.mark.parametrize(

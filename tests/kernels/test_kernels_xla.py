@@ -2,11 +2,11 @@
 
 import jax
 import jax.numpy as jnp
-import kernel_cases as kt
 import numpy as np
 import pytest
 
 import kernels
+from kernels import cases as kt
 
 BLOCKS = dict(block_q=32, block_k=16)
 

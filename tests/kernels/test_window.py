@@ -4,11 +4,11 @@ block inside the causal range may be partly outside the window) and the blockwis
 against a mask built here, row by row, as speculators' `create_peagle_mask_mod` writes it."""
 
 import jax
-import kernel_cases as kt
 import numpy as np
 import pytest
 
 from kernels import AttentionSpec, make_schedule
+from kernels import cases as kt
 from kernels.layouts import cod_layout, pad_layout
 
 

@@ -1,9 +1,11 @@
-"""Helpers shared by the kernel tests and bench/gpu_check.py (not part of the kernels).
+"""The kernels' check cases, shared by the kernel tests (tests/kernels) and the device checks
+(`python -m bench.gpu_check`, the TPU check of `python -m bench.device`); no kernel imports them.
 
 A `Case` is a small random attention problem with COD / causal metadata, sized so that
 interpret-mode Pallas runs quickly on CPU. `check_backend` runs one backend forward and
 backward (out, lse, dq, dk, dv, dsinks) against `kernels.reference` under jit and returns
-the normalised errors.
+the normalised errors (`rel_err`). `decode_positions` places a decode call's query rows in a
+filled KV cache.
 """
 
 from __future__ import annotations
@@ -145,6 +147,13 @@ def rel_err(x, ref):
     xf, rf = np.where(fin, x, 0.0), np.where(fin, ref, 0.0)
     scale = max(float(np.max(np.abs(rf))), 1e-6)
     return float(np.max(np.abs(xf - rf))) / scale
+
+
+def decode_positions(b: int, t: int, fill, fills) -> np.ndarray:
+    """[B, T] positions of the last T tokens of each row: filled to `fill`, or for "ragged" to
+    fills[i % len(fills)] in row i."""
+    per_row = [fills[i % len(fills)] if fill == "ragged" else fill for i in range(b)]
+    return np.stack([np.arange(f - t, f) for f in per_row]).astype(np.int32)
 
 
 def check_backend(case: Case, backend: str, *, interpret=False, block_q=None, block_k=None):

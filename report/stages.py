@@ -12,8 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from infer.report.common import dflash_block_size, log
 from peagle_jax.folders import atomic_write_text
+from report.common import dflash_block_size, log
 
 
 class Stages:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from infer.report.common import PROMPT_SETS
+from report.common import PROMPT_SETS
 
 STYLE = {"P-EAGLE": "tab:blue", "EAGLE-3": "tab:orange", "DFlash": "tab:green"}  # a head without rows: no line
 CURVES = (

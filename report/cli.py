@@ -1,4 +1,4 @@
-"""`python -m infer.report`: P-EAGLE vs EAGLE-3 vs DFlash vs plain decoding, from one resumable command.
+"""`python -m report`: P-EAGLE vs EAGLE-3 vs DFlash vs plain decoding, from one resumable command.
 
 Stages (each records itself in WORK/stages/NAME.json, written atomically when it finishes; a
 rerun with the same settings reuses every finished stage, and an interrupted training resumes
@@ -12,12 +12,13 @@ from the trainer's last checkpoint):
                   same data, same steps (= token budget), same head size; the regenerated answers
                   are copied in, so nothing is regenerated twice
   eval-SET-bB     plain decoding and every head at every K on the SET prompts at batch B,
-                  interleaved batch by batch (`infer.bench.compare`, the code of `python -m infer bench`);
+                  interleaved batch by batch (`infer.compare.compare`, the code of `python -m infer bench`);
                   a record made with other heads (a two-head run's) is redone
 Then OUT/results.json, OUT/*.png and OUT.md (the report beside the folder) are written from the
 stage records; OUT is replaced whole, so it is never half-written.
 
-The trainer runs as a subprocess (`python -m train`): `infer` and `train` never import each other.
+The trainer runs as a subprocess (`python -m train`, the command each stage records), the engine in
+this process (`infer.compare`).
 `--smoke` runs the same stages on the trainer's tiny preset (a random tiny target) in seconds.
 """
 
@@ -30,13 +31,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from infer.report.common import HEADS, log
-from infer.report.evaluate import collect, stage_eval
-from infer.report.plots import plots
-from infer.report.render import markdown
-from infer.report.stages import Stages, stage_data, stage_train
 from peagle_jax.cli import DefaultsFormatter, OneLineParser, run
 from peagle_jax.folders import atomic_folder, atomic_write_text, check_destination
+from report.common import HEADS, log
+from report.evaluate import collect, stage_eval
+from report.plots import plots
+from report.render import markdown
+from report.stages import Stages, stage_data, stage_train
 
 # what --smoke changes (the trainer's tiny preset) against the default run on Gemma-3-270M
 PROFILES = {
@@ -83,7 +84,7 @@ def by_profile(key: str) -> str:
 
 
 def parser() -> OneLineParser:
-    p = OneLineParser(prog="python -m infer.report", description=__doc__, formatter_class=Formatter)
+    p = OneLineParser(prog="python -m report", description=__doc__, formatter_class=Formatter)
     p.add_argument("--smoke", action="store_true", help="the tiny preset (random tiny target): the pipeline in seconds")
     p.add_argument(
         "--target", default=None, help="target: an asset name or a Hugging Face folder (default gemma3-270m)"

@@ -11,23 +11,18 @@ decoding's, prompt by prompt (mismatches counted).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
-from infer.load import synthetic_lengths
-from peagle_jax.engine import SpeculativeDecoder, load_prompts, prompt_ids
+from infer.load import source_prompt_ids
+from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import cache as kv
-from peagle_jax.engine import speculative as sp
 from peagle_jax.folders import atomic_write_text
+from peagle_jax.timing import round_breakdown
 
 
 @dataclasses.dataclass
@@ -39,121 +34,8 @@ class Head:
     mode: str
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _draft_only(cfg, ddef, dstate, tokens, aux, positions, bonus_slot, cache):
-    return sp.draft(cfg, nnx.merge(ddef, dstate), tokens, aux, positions, bonus_slot, cache)[0]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _verify_only(aux_layer_ids, tdef, tstate, tokens, positions, cache):
-    out = nnx.merge(tdef, tstate)(tokens, positions, cache, aux_layer_ids=aux_layer_ids)
-    return out.logits, out.aux_hidden
-
-
-@dataclasses.dataclass(frozen=True)
-class Timing:
-    """A program's first call less one warm call (its compilation, about) and its median ms."""
-
-    compile_s: float
-    ms: float
-
-
-def timed(fn, reps: int) -> Timing:
-    """Times `fn` (returning device arrays): its first call, then the median of `reps` calls."""
-    t = time.perf_counter()
-    jax.block_until_ready(fn())
-    first = time.perf_counter() - t
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t)
-    median = statistics.median(times)
-    return Timing(max(first - median, 0.0), 1000 * median)
-
-
-def _as_batch(prompts) -> list:
-    """One prompt (ids or text) or a batch of them -> a batch."""
-    return prompts if prompts and isinstance(prompts[0], (list, tuple)) else [prompts]
-
-
-def round_timing(dec: SpeculativeDecoder, prompts, reps: int = 5) -> Timing:
-    """One whole round (verify + accept + draft) after `prompts` (one prompt or a batch);
-    in mode "none", one plain decode step."""
-    cfg, _, state = dec.start(_as_batch(prompts), max_new_tokens=(reps + 2) * (dec.k + 1) + 8)
-    mods = dec.modules()
-    box = [state]
-
-    def step():
-        box[0] = sp.jit_round(cfg, *mods, box[0])  # the state is donated: each call takes the last one
-        return box[0]
-
-    return timed(step, reps)
-
-
-def round_ms(dec: SpeculativeDecoder, prompts, reps: int = 5) -> float:
-    """Median wall time of one whole round after `prompts` (`round_timing`)."""
-    return round_timing(dec, prompts, reps).ms
-
-
-def round_breakdown(dec: SpeculativeDecoder, prompts, reps: int = 5) -> dict:
-    """Milliseconds per round of the drafter alone (half the drafts accepted) and of the
-    target's verification of K+1 tokens alone, and each program's compile seconds, timed on
-    the state after `prompts` (one prompt, or a batch of them)."""
-    cfg, _, state = dec.start(_as_batch(prompts), max_new_tokens=8)
-    tdef, tstate, ddef, dstate = dec.modules()
-    k, b = dec.k, state.last.shape[0]
-    slots = jnp.arange(k + 1)[None, :]
-    positions = state.length[:, None] + slots
-    tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
-    verify = timed(lambda: _verify_only(cfg.aux_layer_ids, tdef, tstate, tokens, positions, state.target_cache), reps)
-    result = {"target_ms_per_round": verify.ms, "target_compile_s": verify.compile_s}
-    if dec.mode != "none":
-        aux = jnp.zeros((b, k + 1, dec.drafter.config.fc_in), state.target_cache[0][0].dtype)  # the aux states it reads
-        n = jnp.full((b,), k // 2, jnp.int32)
-        draft_pos = jnp.where(slots <= n[:, None], positions, -1)
-        draft = timed(lambda: _draft_only(cfg, ddef, dstate, tokens, aux, draft_pos, n, state.drafter_cache), reps)
-        result.update(drafter_ms_per_round=draft.ms, drafter_compile_s=draft.compile_s)
-    return result
-
-
 def _batches(items, size):
     return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-SYNTHETIC_COUNT = 8  # prompts of --prompts synthetic:LENGTHS without --limit
-
-
-def synthetic_prompts(batch: int, length: int, vocab: int, avoid=(), seed: int = 0) -> list[list[int]]:
-    """`batch` prompts of `length` random token ids in [0, vocab), none of them in `avoid` (eos)."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(0, vocab, size=(batch, length))
-    for token in avoid:
-        ids[ids == token] = (token + 1) % vocab
-    return ids.tolist()
-
-
-def source_prompt_ids(target, source: str, limit: int | None = None, max_tokens: int | None = None) -> list[list[int]]:
-    """Token ids of the prompts of `source` (mtbench | humaneval | a JSONL file) in the target's
-    format, or of `synthetic:LENGTHS` (random ids, `limit` or 8 prompts cycling through the
-    lengths); with `max_tokens`, longer prompts are left out; at most `limit` of them."""
-    lengths = synthetic_lengths(source)
-    if lengths is not None:
-        c = target.config
-        rows = [synthetic_prompts(1, lengths[i % len(lengths)], c.vocab_size, c.eos_token_id, seed=i)[0]
-                for i in range(limit or SYNTHETIC_COUNT)]  # fmt: skip
-        ids = [r for r in rows if max_tokens is None or len(r) <= max_tokens]
-    elif target.tokenizer is None:
-        where = getattr(target, "path", None) or "the target"
-        raise ValueError(
-            f"--prompts {source}: text prompts need a tokenizer, and {where} has none (tokenizer.json); "
-            "--prompts synthetic:LENGTHS needs none"
-        )
-    else:
-        ids = prompt_ids(target.tokenizer, load_prompts(source), max_tokens, limit)
-    if not ids:
-        raise ValueError(f"--prompts {source}: no prompts" + (f" of at most {max_tokens} tokens" if max_tokens else ""))
-    return ids
 
 
 def shape_for(prompts: list[list[int]], max_new_tokens: int, k_max: int) -> dict:

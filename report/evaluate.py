@@ -1,4 +1,4 @@
-"""The evaluation stages (plain decoding and every head at every K, `infer.bench.compare`) and
+"""The evaluation stages (plain decoding and every head at every K, `infer.compare.compare`) and
 the results dict that the report and its plots are written from."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import shlex
 import time
 from pathlib import Path
 
-from infer.report.common import HEADS, PROMPT_SETS, dflash_block_size, log
-from infer.report.stages import Stages, eval_settings, shown
+from report.common import HEADS, PROMPT_SETS, dflash_block_size, log
+from report.stages import Stages, eval_settings, shown
 
-# what each row of results.json keeps of a run of `infer.bench.compare`
+# what each row of results.json keeps of a run of `infer.compare.compare`
 ROW_KEYS = (
     "acceptance_length",
     "per_position_acceptance",
@@ -53,7 +53,8 @@ def stage_eval(args, stages: Stages, data: dict, trained: dict) -> list[dict]:
 def load_models(args, data: dict, trained: dict):
     """(target, heads, {prompt set: prompt ids}, the shape every decoder shares)."""
     import peagle_jax as pj
-    from infer.bench import Head, shape_for, source_prompt_ids
+    from infer.compare import Head, shape_for
+    from infer.load import source_prompt_ids
 
     target = pj.load_target(data["target"])
     # the engine's mode is the trainer's: parallel, chain or dflash
@@ -77,7 +78,7 @@ def bench_command(args, target_dir: str, heads, prompt_set: str, batch: int) -> 
 def evaluate(
     args, stages: Stages, name: str, prompt_set: str, batch: int, target_dir: str, target, heads, prompts, shape
 ) -> dict:
-    from infer.bench import compare
+    from infer.compare import compare
 
     t0 = time.perf_counter()
     log(f"stage {name}: plain decoding and {', '.join(h.label for h in heads)} at K = {args.ks}")
@@ -183,7 +184,7 @@ def collect(args, data: dict, trained: dict, evals: list[dict], wall: float) -> 
     return {
         "settings": settings_of(args),
         "hardware": hardware(),
-        "command": shlex.join(["python", "-m", "infer.report", *args.argv]),
+        "command": shlex.join(["python", "-m", "report", *args.argv]),
         "stages": stage_times(data, trained, evals),
         "wall_seconds_this_run": wall,
         "data": data["data"],

@@ -21,8 +21,8 @@ from tqdm import tqdm
 from infer.load import source_prompt_ids
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import cache as kv
+from peagle_jax.engine.costs import round_breakdown
 from peagle_jax.folders import atomic_write_text
-from peagle_jax.timing import round_breakdown
 
 
 @dataclasses.dataclass

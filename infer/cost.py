@@ -28,8 +28,9 @@ import jax.numpy as jnp
 
 from infer.load import synthetic_prompts
 from peagle_jax.engine import SpeculativeDecoder
+from peagle_jax.engine.costs import round_breakdown, round_timing
 from peagle_jax.folders import atomic_write_text
-from peagle_jax.timing import round_breakdown, round_timing, timed
+from peagle_jax.timing import timed
 
 COLUMNS = (
     "mode",

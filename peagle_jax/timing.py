@@ -5,24 +5,17 @@ anything else, a float or a torch tensor, passes through). `timed` makes a progr
 (its compilation, mostly) and then times `reps` calls; `side_by_side` does the same for several
 programs in turn, call after call, so that machine noise hits all of them alike and their ratios
 are measured side by side. `back_to_back` times calls issued without waiting (the device's
-throughput). `round_timing` and `round_breakdown` time the speculative round and its two parts;
-they load the engine (and Flax) when called, so that the timers themselves import JAX alone.
+throughput). It imports JAX alone (the speculative round's own timers: `peagle_jax.engine.costs`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
-import jax.numpy as jnp
-
-if TYPE_CHECKING:  # the engine loads when a round is timed: the timers need JAX alone
-    from peagle_jax.engine import SpeculativeDecoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,62 +74,3 @@ def back_to_back(fn: Callable, reps: int) -> Timing:
         out = fn()
     jax.block_until_ready(out)
     return Timing(((time.perf_counter() - t) / reps,), first_s)
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _draft_only(cfg, ddef, dstate, tokens, aux, positions, bonus_slot, cache):
-    from flax import nnx
-
-    from peagle_jax.engine import speculative as sp
-
-    return sp.draft(cfg, nnx.merge(ddef, dstate), tokens, aux, positions, bonus_slot, cache)[0]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _verify_only(aux_layer_ids, tdef, tstate, tokens, positions, cache):
-    from flax import nnx
-
-    out = nnx.merge(tdef, tstate)(tokens, positions, cache, aux_layer_ids=aux_layer_ids)
-    return out.logits, out.aux_hidden
-
-
-def _as_batch(prompts) -> list:
-    """One prompt (ids or text) or a batch of them -> a batch."""
-    return prompts if prompts and isinstance(prompts[0], (list, tuple)) else [prompts]
-
-
-def round_timing(dec: SpeculativeDecoder, prompts, reps: int = 5) -> Timing:
-    """One whole round (verify + accept + draft) after `prompts` (one prompt or a batch);
-    in mode "none", one plain decode step."""
-    from peagle_jax.engine import speculative as sp
-
-    cfg, _, state = dec.start(_as_batch(prompts), max_new_tokens=(reps + 2) * (dec.k + 1) + 8)
-    mods = dec.modules()
-    box = [state]
-
-    def step():
-        box[0] = sp.jit_round(cfg, *mods, box[0])  # the state is donated: each call takes the last one
-        return box[0]
-
-    return timed(step, reps)
-
-
-def round_breakdown(dec: SpeculativeDecoder, prompts, reps: int = 5) -> dict:
-    """Milliseconds per round of the drafter alone (half the drafts accepted) and of the
-    target's verification of K+1 tokens alone, and each program's compile seconds, timed on
-    the state after `prompts` (one prompt, or a batch of them)."""
-    cfg, _, state = dec.start(_as_batch(prompts), max_new_tokens=8)
-    tdef, tstate, ddef, dstate = dec.modules()
-    k, b = dec.k, state.last.shape[0]
-    slots = jnp.arange(k + 1)[None, :]
-    positions = state.length[:, None] + slots
-    tokens = jnp.concatenate([state.last[:, None], state.drafts], axis=1)
-    verify = timed(lambda: _verify_only(cfg.aux_layer_ids, tdef, tstate, tokens, positions, state.target_cache), reps)
-    result = {"target_ms_per_round": verify.ms, "target_compile_s": verify.compile_s}
-    if dec.mode != "none":
-        aux = jnp.zeros((b, k + 1, dec.drafter.config.fc_in), state.target_cache[0][0].dtype)  # the aux states it reads
-        n = jnp.full((b,), k // 2, jnp.int32)
-        draft_pos = jnp.where(slots <= n[:, None], positions, -1)
-        draft = timed(lambda: _draft_only(cfg, ddef, dstate, tokens, aux, draft_pos, n, state.drafter_cache), reps)
-        result.update(drafter_ms_per_round=draft.ms, drafter_compile_s=draft.compile_s)
-    return result

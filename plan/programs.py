@@ -176,12 +176,14 @@ def train_step(
 ):
     """The traced train step of `python -m train` on `target` (its mesh): one batch of `batch`
     sequences of `tokens` tokens. `flags`: more `python -m train` flags (the head's shape)."""
+    from train.config import draft_vocab_size
     from train.trainer import head_flags
 
     cfg = _train_config(mode, tokens, batch, compute_dtype, segments, flags)
     mc = cfg.model
     head = abstract_head(
-        target, mode, num_layers=mc.num_layers, draft_vocab=mc.draft_vocab, k=mc.k_train, dtype=mc.dtype,
+        target, mode, num_layers=mc.num_layers, k=mc.k_train,
+        draft_vocab=draft_vocab_size(mc.draft_vocab, target.config.vocab_size), dtype=mc.dtype,
         flags={k: v for k, v in head_flags(mc).items() if k != "init_layer"},
     )  # fmt: skip
     stepper, state = _stepper(cfg, target, head)

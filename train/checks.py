@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from peagle_jax.cli import UsageError
+from train.config import draft_vocab_size
 
 __all__ = ["validate", "check_target_fits", "step_bytes", "INT_MAX", "SEED_MAX", "FLOAT32_MAX", "FLOAT32_TINY"]
 
@@ -86,7 +87,7 @@ def _model_data_checks(cfg) -> list[tuple[bool, str]]:
         (m.num_layers >= 1, "model.num_layers must be >= 1"),
         (m.k_train >= 1, "model.k_train must be >= 1"),
         (m.block_size >= 2, f"model.block_size must be >= 2 (the bonus token and >= 1 draft), got {m.block_size}"),
-        (m.draft_vocab >= 0, "model.draft_vocab must be >= 0"),
+        (m.draft_vocab is None or m.draft_vocab >= 0, "model.draft_vocab must be >= 0 (or unset)"),
         (m.mask_token_id is None or m.mask_token_id >= 0, "model.mask_token_id must be >= 0"),
         *_window_checks(m),
         (d.max_conversations >= 0, "data.max_conversations must be >= 0 (0 = all)"),
@@ -518,7 +519,7 @@ def step_bytes(cfg, tc) -> int:
 
     m, d = cfg.model, cfg.data
     b, t, h = d.batch_size, d.max_len, tc.hidden_size
-    vd = m.draft_vocab if 0 < m.draft_vocab < tc.vocab_size else tc.vocab_size
+    vd = draft_vocab_size(m.draft_vocab, tc.vocab_size)
     if m.mode == "dflash":
         anchors = max(1, min(512 if d.max_anchors is None else d.max_anchors, t - m.block_size))
         rows, keys = anchors * m.block_size, t + anchors * m.block_size

@@ -94,7 +94,7 @@ def check_resume(out: Path, cfg: C.TrainConfig) -> None:
         for k, v in new[section].items():
             if section == "data" and k in C.REGENERATION_TRANSPORT:
                 continue
-            if old.get(section, {}).get(k) != v:
+            if _unset_default(section, k, old.get(section, {}).get(k)) != _unset_default(section, k, v):
                 raise TrainError(
                     f"{out} holds a run with {section}.{k}={old.get(section, {}).get(k)!r} "
                     f"(now {v!r}): use another --out, or the same settings to resume"
@@ -117,6 +117,14 @@ def check_resume(out: Path, cfg: C.TrainConfig) -> None:
                 f"{out} holds a run with loop.{k}={old_loop.get(k)!r} (now {new['loop'][k]!r}): "
                 "use another --out, or the same settings to resume"
             )
+
+
+def _unset_default(section: str, key: str, value):
+    """model.draft_vocab unset is the 16384 it was before it could be unset: the same head on every
+    target a run of 16384 could train on."""
+    if (section, key, value) == ("model", "draft_vocab", None):
+        return C.DEFAULT_DRAFT_VOCAB
+    return value
 
 
 def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None, mesh=None) -> D.Dataset:

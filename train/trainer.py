@@ -47,8 +47,11 @@ class TrainError(ValueError):
 def check_target(cfg: C.TrainConfig, target, where) -> None:
     """TrainError naming `where` (the target folder) when cfg.model cannot train on this target."""
     mc, v = cfg.model, target.config.vocab_size
-    if mc.draft_vocab > v:
-        raise TrainError(f"model.draft_vocab={mc.draft_vocab} exceeds the target's vocabulary of {v}")
+    if mc.draft_vocab is not None and mc.draft_vocab > v:
+        raise TrainError(
+            f"model.draft_vocab={mc.draft_vocab} exceeds the target's vocabulary of {v}: lower --model.draft_vocab, "
+            f"or leave it unset ({C.DEFAULT_DRAFT_VOCAB}, or the whole vocabulary when smaller)"
+        )
     if mc.mask_token_id is not None and not 0 <= mc.mask_token_id < v:
         raise TrainError(f"model.mask_token_id={mc.mask_token_id} is outside the target's vocabulary [0, {v})")
     n = target.config.num_layers
@@ -154,7 +157,8 @@ class Trainer:
         self.k = mc.block_size - 1 if self.dflash else mc.k_train  # drafts a round
         self.eval_k = min(7, self.k)
         v = target.config.vocab_size
-        vd = mc.draft_vocab if 0 < mc.draft_vocab < v else None
+        vd = C.draft_vocab_size(mc.draft_vocab, v)
+        vd = vd if vd < v else None  # None: the whole vocabulary
         self.drafter = pj.new_drafter(
             target,
             num_layers=mc.num_layers,

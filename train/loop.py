@@ -135,7 +135,7 @@ def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None, mesh=None) 
     if d.regenerate:
         from train.regenerate import regenerate_for
 
-        regenerated = regenerate_for(cfg, records, target, tokenizer, out, mesh, cfg.loop.progress and dist.is_main())
+        regenerated = regenerate_for(cfg, records, target, out, mesh, cfg.loop.progress and dist.is_main())
     examples, stats = D.tokenize(
         records,
         tokenizer,

@@ -8,6 +8,7 @@ import pytest
 from kernels.layouts import cod_layout, cod_sample
 from train import cod
 from train.data import Example
+from train.spec import BatchSpec
 
 
 def _mask(n, seed):
@@ -83,16 +84,19 @@ def test_batch_rows_outside_the_loss_mask_are_never_supervised():
     exs = [_example(40, 0), _example(23, 1)]
     b = cod.make_batch(
         exs,
+        BatchSpec(
+            seed=0,
+            max_len=64,
+            mode="parallel",
+            k=5,
+            r=0.7,
+            r_min=0.2,
+            max_anchors=None,
+            row_factor=3.0,
+            length_buckets=1,
+            row_granularity=0,
+        ),
         step=3,
-        seed=0,
-        max_len=64,
-        mode="parallel",
-        k=5,
-        r=0.7,
-        r_min=0.2,
-        max_anchors=None,
-        row_factor=3.0,
-        length_buckets=1,
     )
     assert b.tokens.shape == (2, 64)
     assert b.anchor.shape == (2, 192)
@@ -109,16 +113,19 @@ def test_batch_rows_outside_the_loss_mask_are_never_supervised():
         assert np.all(b.anchor[i] >= 0)
     again = cod.make_batch(
         exs,
+        BatchSpec(
+            seed=0,
+            max_len=64,
+            mode="parallel",
+            k=5,
+            r=0.7,
+            r_min=0.2,
+            max_anchors=None,
+            row_factor=3.0,
+            length_buckets=1,
+            row_granularity=0,
+        ),
         step=3,
-        seed=0,
-        max_len=64,
-        mode="parallel",
-        k=5,
-        r=0.7,
-        r_min=0.2,
-        max_anchors=None,
-        row_factor=3.0,
-        length_buckets=1,
     )
     np.testing.assert_array_equal(again.anchor, b.anchor)
 
@@ -128,16 +135,19 @@ def test_row_cut_keeps_chains_nested():
     e.mask[:] = True
     b = cod.make_batch(
         [e],
+        BatchSpec(
+            seed=0,
+            max_len=64,
+            mode="parallel",
+            k=8,
+            r=0.9,
+            r_min=0.5,
+            max_anchors=None,
+            row_factor=1.5,
+            length_buckets=1,
+            row_granularity=0,
+        ),
         step=0,
-        seed=0,
-        max_len=64,
-        mode="parallel",
-        k=8,
-        r=0.9,
-        r_min=0.5,
-        max_anchors=None,
-        row_factor=1.5,
-        length_buckets=1,
     )
     real = b.doc[0] >= 0
     rows = set(zip(b.anchor[0][real].tolist(), b.depth[0][real].tolist()))

@@ -1,6 +1,8 @@
 """The values of a training configuration checked before any work starts: ranges, finiteness and
 choices, each refused with one line naming its flag (`peagle_jax.cli.UsageError`, exit 2).
-`train.flags.parse_args` runs `validate` on every command line."""
+`train.flags.parse_args` runs `validate` on every command line. Then, against the loaded target:
+what its head cannot be (`check_target`: a `TrainError`, exit 1) and what one step cannot fit
+(`check_target_fits`)."""
 
 from __future__ import annotations
 
@@ -12,9 +14,19 @@ import os
 from pathlib import Path
 
 from peagle_jax.cli import UsageError
-from train.config import draft_vocab_size
+from train.config import DEFAULT_DRAFT_VOCAB, draft_vocab_size
 
-__all__ = ["validate", "check_target_fits", "step_bytes", "INT_MAX", "SEED_MAX", "FLOAT32_MAX", "FLOAT32_TINY"]
+__all__ = [
+    "validate",
+    "TrainError",
+    "check_target",
+    "check_target_fits",
+    "step_bytes",
+    "INT_MAX",
+    "SEED_MAX",
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+]
 
 INT_MAX = 2**31 - 1  # counts, sizes and token ids become int32 arrays and XLA shapes
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds: non-negative
@@ -506,8 +518,30 @@ def _prompts_ok(prompts: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------
-# against the loaded target: its positions, and the memory of one step
+# against the loaded target: the head it can take, its positions, and the memory of one step
 GIB = 2**30
+
+
+class TrainError(ValueError):
+    """A run that cannot start or continue (one-line message)."""
+
+
+def check_target(cfg, target, where) -> None:
+    """TrainError naming `where` (the target folder) when cfg.model cannot train on this target."""
+    mc, v = cfg.model, target.config.vocab_size
+    if mc.draft_vocab is not None and mc.draft_vocab > v:
+        raise TrainError(
+            f"model.draft_vocab={mc.draft_vocab} exceeds the target's vocabulary of {v}: lower --model.draft_vocab, "
+            f"or leave it unset ({DEFAULT_DRAFT_VOCAB}, or the whole vocabulary when smaller)"
+        )
+    if mc.mask_token_id is not None and not 0 <= mc.mask_token_id < v:
+        raise TrainError(f"model.mask_token_id={mc.mask_token_id} is outside the target's vocabulary [0, {v})")
+    n = target.config.num_layers
+    if mc.init_layer is not None and (mc.mode == "dflash" or not -n <= mc.init_layer < n):
+        why = "a DFlash head has no fused first layer" if mc.mode == "dflash" else f"valid: {-n} .. {n - 1}"
+        raise TrainError(f"model.init_layer={mc.init_layer}: {where} has {n} layers ({why})")
+    if target.config.num_layers < 4:
+        raise TrainError(f"{where}: a target of {target.config.num_layers} layers has no 3 distinct aux layers")
 
 
 def step_bytes(cfg, tc) -> int:

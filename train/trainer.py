@@ -31,6 +31,7 @@ from train import data as D
 from train import distributed as dist
 from train.blocks import block_arrays, block_stats, make_block_batch
 from train.checkpoint import Checkpoints
+from train.checks import TrainError, check_target
 from train.metrics import add_stats, stats_record, step_stats
 from train.optim import learning_rate, make_optimizer
 from train.spec import TrainSpec
@@ -39,28 +40,6 @@ from train.step import TrainStep, batch_arrays, compute_parts, split_params
 __all__ = ["Trainer", "Hook", "TimeBudget", "TrainError", "total_steps", "head_flags"]
 
 HELDOUT_STEP = 10**9  # the COD seed offset of held-out batches: the same rows at every evaluation
-
-
-class TrainError(ValueError):
-    """A run that cannot start or continue (one-line message)."""
-
-
-def check_target(cfg: C.TrainConfig, target, where) -> None:
-    """TrainError naming `where` (the target folder) when cfg.model cannot train on this target."""
-    mc, v = cfg.model, target.config.vocab_size
-    if mc.draft_vocab is not None and mc.draft_vocab > v:
-        raise TrainError(
-            f"model.draft_vocab={mc.draft_vocab} exceeds the target's vocabulary of {v}: lower --model.draft_vocab, "
-            f"or leave it unset ({C.DEFAULT_DRAFT_VOCAB}, or the whole vocabulary when smaller)"
-        )
-    if mc.mask_token_id is not None and not 0 <= mc.mask_token_id < v:
-        raise TrainError(f"model.mask_token_id={mc.mask_token_id} is outside the target's vocabulary [0, {v})")
-    n = target.config.num_layers
-    if mc.init_layer is not None and (mc.mode == "dflash" or not -n <= mc.init_layer < n):
-        why = "a DFlash head has no fused first layer" if mc.mode == "dflash" else f"valid: {-n} .. {n - 1}"
-        raise TrainError(f"model.init_layer={mc.init_layer}: {where} has {n} layers ({why})")
-    if target.config.num_layers < 4:
-        raise TrainError(f"{where}: a target of {target.config.num_layers} layers has no 3 distinct aux layers")
 
 
 def head_flags(mc: C.ModelConfig) -> dict:

@@ -41,17 +41,10 @@ class LossSpec:
         """The loss of a TrainConfig on a target whose logits are softcapped at `softcap`."""
         mc, lc = cfg.model, cfg.loop
         return cls(
-            mode=mc.mode,
-            k=mc.k_train,
-            attention=mc.attention,
-            per_depth=lc.per_depth_loss,
-            chain_decay=lc.chain_decay,
-            ce_weight=lc.ce_weight,
-            softcap=softcap,
-            dflash_gamma=lc.dflash_gamma,
-            dflash_weights=lc.dflash_weights,
-            dpace_alpha=lc.dpace_alpha,
-        )
+            mode=mc.mode, k=mc.k_train, attention=mc.attention, softcap=softcap,
+            per_depth=lc.per_depth_loss, chain_decay=lc.chain_decay, ce_weight=lc.ce_weight,
+            dflash_gamma=lc.dflash_gamma, dflash_weights=lc.dflash_weights, dpace_alpha=lc.dpace_alpha,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,20 +79,13 @@ class BatchSpec:
 
     @classmethod
     def of(cls, cfg) -> BatchSpec:
+        """The batches of a TrainConfig (model.mode, k_train, block_size and the data section's sampling)."""
         mc, dc = cfg.model, cfg.data
         return cls(
-            mode=mc.mode,
-            k=mc.k_train,
-            seed=dc.seed,
-            max_len=dc.max_len,
-            length_buckets=dc.length_buckets,
-            r=dc.cod_r,
-            r_min=dc.cod_r_min,
-            max_anchors=dc.max_anchors,
-            row_factor=dc.row_factor,
-            row_granularity=dc.row_granularity,
-            block_size=mc.block_size,
-        )
+            mode=mc.mode, k=mc.k_train, block_size=mc.block_size, seed=dc.seed, max_len=dc.max_len,
+            length_buckets=dc.length_buckets, r=dc.cod_r, r_min=dc.cod_r_min, max_anchors=dc.max_anchors,
+            row_factor=dc.row_factor, row_granularity=dc.row_granularity,
+        )  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The EAGLE-3 (chain) objective's step time: this tree's `train.step.loss_and_metrics` against the
-same function at an older commit (loaded from `git show REV:train/step.py`), alternating, one run.
+same function at an older commit (loaded from `git show REV:train/step.py`, with that commit's
+train/loss.py, whose API it calls), alternating, one run.
 
 Until 813967c the training-time test re-ran every earlier step's rows at each step (k(k+1)/2 row
 passes); since then step j runs its own L rows over the earlier steps' keys and values (k passes).
@@ -29,21 +30,33 @@ from peagle_jax.drafter import Drafter
 from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.timing import side_by_side, wall
 from train.cod import chain_rows
+from train.spec import LossSpec
 from train.step import loss_and_metrics, split_params
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def old_loss(rev: str):
-    """`loss_and_metrics` of train/step.py at commit `rev` (imported beside this tree's modules)."""
-    src = subprocess.run(["git", "show", f"{rev}:train/step.py"], cwd=ROOT, capture_output=True, text=True, check=True)
-    path = Path(tempfile.mkdtemp()) / "old_step.py"
-    path.write_text(src.stdout)
-    spec = importlib.util.spec_from_file_location("old_step", path)
+def _module_at(rev: str, path: str, name: str):
+    """The module of file `path` at commit `rev`, imported as `name`."""
+    src = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True)
+    file = Path(tempfile.mkdtemp()) / f"{name}.py"
+    file.write_text(src.stdout)
+    spec = importlib.util.spec_from_file_location(name, file)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["old_step"] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
-    return module.loss_and_metrics
+    return module
+
+
+def old_loss(rev: str):
+    """`loss_and_metrics` of train/step.py at commit `rev`, over train/loss.py of `rev` (beside this
+    tree's other modules): its keyword form, (parts, params, frozen, aux, y, head_w, batch, **kw)."""
+    today = sys.modules["train.loss"]
+    sys.modules["train.loss"] = _module_at(rev, "train/loss.py", "old_loss")
+    try:
+        return _module_at(rev, "train/step.py", "old_step").loss_and_metrics
+    finally:
+        sys.modules["train.loss"] = today
 
 
 def main() -> None:
@@ -72,10 +85,12 @@ def main() -> None:
     y = jnp.asarray(rng.normal(size=(1, length, h)), jnp.float32)
     head_w = jnp.asarray(rng.normal(size=(vd, h)), jnp.float32)
     kw = dict(mode="chain", k=k, per_depth=False, chain_decay=0.8, softcap=None, attention="auto")
-    grads = {
-        name: jax.jit(jax.value_and_grad(lambda p, f=f: f(parts, p, frozen, aux, y, head_w, batch, **kw)[0]))
-        for name, f in ((f"old ({args.old})", old_loss(args.old)), ("new", loss_and_metrics))
+    old = old_loss(args.old)
+    losses = {
+        f"old ({args.old})": lambda p: old(parts, p, frozen, aux, y, head_w, batch, **kw)[0],
+        "new": lambda p: loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, LossSpec(**kw))[0],
     }
+    grads = {name: jax.jit(jax.value_and_grad(f)) for name, f in losses.items()}
     steps = {name: functools.partial(g, params) for name, g in grads.items()}
     outs = {name: wall(step)[1] for name, step in steps.items()}  # compile + first call
     (l0, g0), (l1, g1) = outs.values()

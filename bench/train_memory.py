@@ -65,6 +65,7 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
     from train import cod
     from train.data import Example
     from train.flags import from_dict
+    from train.spec import BatchSpec
     from train.step import batch_arrays
     from train.trainer import Trainer
 
@@ -77,10 +78,8 @@ def child(length: int, segments: int, steps: int, out: str) -> None:
     stepper, params, opt_state, frozen = trainer.stepper, trainer.params, trainer.opt_state, trainer.frozen
     ids = rng.integers(10, v, length).astype(np.int32)
     mask = np.arange(length) >= length // 10
-    b = cod.make_batch(
-        [Example(ids, mask, 0)], step=0, seed=0, max_len=length, mode="parallel", k=K, r=0.7, r_min=0.2,
-        max_anchors=None, row_factor=ROW_FACTOR, length_buckets=1, row_granularity=512,
-    )  # fmt: skip
+    rows = BatchSpec(k=K, max_len=length, length_buckets=1, row_factor=ROW_FACTOR, row_granularity=512)
+    b = cod.make_batch([Example(ids, mask, 0)], rows, step=0)
     real_rows = int((b.doc >= 0).sum())
     aux = jax.numpy.asarray(rng.normal(size=(1, length, 3 * h)).astype(np.float32) * 30)
     y = jax.numpy.asarray(rng.normal(size=(1, length, h)).astype(np.float32) * 20)

@@ -94,6 +94,7 @@ def build(
     from train import cod
     from train.data import Example
     from train.flags import from_dict
+    from train.spec import BatchSpec
     from train.step import batch_arrays
     from train.trainer import Trainer
 
@@ -120,10 +121,8 @@ def build(
     # --- the same rows for both
     ids = rng.integers(10, v, length).astype(np.int32)
     mask = np.arange(length) >= int(length * (1 - loss_fraction))  # a prompt, then the supervised answer
-    b = cod.make_batch(
-        [Example(ids, mask, 0)], step=0, seed=0, max_len=length, mode="parallel", k=K, r=0.7, r_min=0.2,
-        max_anchors=None, row_factor=ROW_FACTOR, length_buckets=1, row_granularity=ROW_GRANULARITY,
-    )  # fmt: skip
+    rows = BatchSpec(k=K, max_len=length, length_buckets=1, row_factor=ROW_FACTOR, row_granularity=ROW_GRANULARITY)
+    b = cod.make_batch([Example(ids, mask, 0)], rows, step=0)
     real = b.doc[0] >= 0
     aux = (rng.normal(size=(1, length, 3 * h)) * 30).astype(np.float32)
     x = rng.normal(size=(1, length, h)).astype(np.float32)

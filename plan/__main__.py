@@ -77,8 +77,23 @@ def parse(argv):
         parser().error(f"--headroom {args.headroom}: a share of the device's memory, in (0, 1]")
     if args.layers is not None and args.layers < 3:  # EAGLE-3 features: 3 distinct target layers
         parser().error(f"--layers {args.layers}: at least 3 (the heads read 3 distinct target layers)")
+    if args.layers is not None:
+        _check_layers(args)
     _check_work_flags(args)
     return args
+
+
+def _check_layers(args) -> None:
+    """More --layers than the target has is a usage error naming both (a target folder that cannot
+    be read is the work's error, naming the folder)."""
+    from peagle_jax.models.presets import target_config
+
+    try:
+        have = target_config(args.target, None).num_layers
+    except (ValueError, OSError):
+        return
+    if args.layers > have:
+        parser().error(f"--layers {args.layers}: the target {args.target} has {have} layers (a plan takes 3 .. {have})")
 
 
 def _check_work_flags(args) -> None:

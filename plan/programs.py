@@ -175,12 +175,14 @@ def train_step(
 ):
     """The traced train step of `python -m train` on `target` (its mesh): one batch of `batch`
     sequences of `tokens` tokens. `flags`: more `python -m train` flags (the head's shape)."""
+    from train.config import draft_vocab_size
     from train.trainer import head_flags
 
     cfg = _train_config(mode, tokens, batch, compute_dtype, segments, flags)
     mc = cfg.model
     head = abstract_head(
-        target, mode, num_layers=mc.num_layers, draft_vocab=mc.draft_vocab, k=mc.k_train, dtype=mc.dtype,
+        target, mode, num_layers=mc.num_layers, k=mc.k_train,
+        draft_vocab=draft_vocab_size(mc.draft_vocab, target.config.vocab_size), dtype=mc.dtype,
         flags={k: v for k, v in head_flags(mc).items() if k != "init_layer"},
     )  # fmt: skip
     stepper, state = _stepper(cfg, target, head)
@@ -192,8 +194,8 @@ def train_step(
 def _stepper(cfg, target: Target, head: Drafter):
     """The trainer's TrainStep over abstract (params, opt_state, frozen), placed by the rule table."""
     from train.optim import make_optimizer
-    from train.step import Parts, compute_parts, trainable
-    from train.trainer import train_step
+    from train.spec import TrainSpec
+    from train.step import Parts, TrainStep, compute_parts, trainable
 
     mc, mesh = cfg.model, target.mesh
     flat = flat_state(head.state)
@@ -208,7 +210,10 @@ def _stepper(cfg, target: Target, head: Drafter):
     vd, h = head.config.draft_vocab_size, target.config.hidden_size
     head_w = jax.ShapeDtypeStruct((vd, h), jnp.dtype(mc.dtype), sharding=role_sharding(mesh, "vocab_rows", 2))
     placement = dict(mesh=mesh, state=state) if mesh.size > 1 else {}  # as the Trainer places it
-    return train_step(cfg, parts, optimizer, target, head_w, head.config.aux_layer_ids, **placement), state
+    spec = TrainSpec.of(cfg, target.config).step
+    return TrainStep(
+        parts, optimizer, target, head_w, spec, aux_layer_ids=head.config.aux_layer_ids, **placement
+    ), state
 
 
 def nnx_predicate(filter_):
@@ -222,20 +227,18 @@ def _batch_arrays(cfg, stepper, target: Target, batch: int, tokens: int) -> dict
     sampled from synthetic sequences: the shapes a real batch of that length has)."""
     from train import cod
     from train.blocks import block_arrays, make_block_batch
+    from train.spec import BatchSpec
     from train.step import batch_arrays
 
     exs = synthetic_examples(batch, tokens, target.config.vocab_size)
-    dc, mc = cfg.data, cfg.model
-    if mc.mode == "dflash":
-        b = make_block_batch(exs, step=0, seed=0, length=tokens, block_size=mc.block_size, max_anchors=dc.max_anchors)
+    spec = BatchSpec.of(cfg)
+    if spec.mode == "dflash":
+        b = make_block_batch(
+            exs, step=0, seed=0, length=tokens, block_size=spec.block_size, max_anchors=spec.max_anchors
+        )
         arrays = block_arrays(b)
     else:
-        b = cod.make_batch(
-            exs, step=0, seed=dc.seed, max_len=dc.max_len, mode=mc.mode, k=mc.k_train, r=dc.cod_r,
-            r_min=dc.cod_r_min, max_anchors=dc.max_anchors, row_factor=dc.row_factor, length_buckets=1,
-            row_granularity=dc.row_granularity, length=tokens,
-        )  # fmt: skip
-        arrays = stepper.partition(batch_arrays(b))
+        arrays = stepper.partition(batch_arrays(cod.make_batch(exs, spec, step=0, length=tokens)))
     mesh = target.mesh
     rows = NamedSharding(mesh, P(("data", "fsdp")) if batch % (mesh.shape["data"] * mesh.shape["fsdp"]) == 0 else P())
     return {k: jax.ShapeDtypeStruct(np.shape(v), np.asarray(v).dtype, sharding=rows) for k, v in arrays.items()}

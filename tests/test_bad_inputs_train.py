@@ -89,6 +89,44 @@ def test_bad_input_is_one_line_and_leaves_nothing(tmp_path, files, flags, code, 
         assert not (tmp_path / "new").exists(), sorted(p.name for p in (tmp_path / "new").rglob("*"))
 
 
+def test_the_default_draft_vocabulary_fits_a_small_target(tmp_path, files):
+    """A target of 6,144 tokens (dummy weights, a folder with only config.json): model.draft_vocab
+    unset drafts over its whole vocabulary (the 16384 of a larger target would not fit); 16384
+    given is refused, naming the flag and the target's vocabulary."""
+    target = tmp_path / "v6144"
+    target.mkdir()
+    config = json.loads((files["TARGET"] / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "vocab_size": 6144}))
+    flags = ["--model.target", target, "--model.load_format", "dummy", "--loop.steps", "1", "--data.heldout", "0"]
+    flags += ["--eval.enabled", "false"]
+    res = run_module("train", [*train_flags(tmp_path / "run", flags), "--model.draft_vocab", "None"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["draft_vocab_size"] == 6144
+    bad = run_module("train", [*train_flags(tmp_path / "bad", flags), "--model.draft_vocab", "16384"])
+    assert bad.returncode == 1, bad.stderr[-3000:]
+    line = assert_one_error_line(bad.stderr, "--model.draft_vocab")
+    assert "model.draft_vocab=16384 exceeds the target's vocabulary of 6144" in line, line
+
+
+@pytest.mark.parametrize("saved,resumes", [(16384, True), (None, True), (8192, False)])
+def test_a_run_saved_with_the_old_default_draft_vocabulary_resumes_unset(tmp_path, saved, resumes):
+    """OUT written when model.draft_vocab defaulted to 16384 resumes with it unset (the same head
+    on every target that could train with 16384); another size is refused, naming the key."""
+    from train import config as C
+    from train.flags import parse_args
+    from train.loop import TrainError, check_resume
+
+    cfg = C.to_dict(parse_args(["--preset", "tiny", "--out", str(tmp_path), "--model.draft_vocab", str(saved)]))
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "checkpoints" / "5").mkdir(parents=True)  # a checkpoint
+    now = parse_args(["--preset", "tiny", "--out", str(tmp_path), "--model.draft_vocab", "None"])
+    if resumes:
+        check_resume(tmp_path, now)
+    else:
+        with pytest.raises(TrainError, match=r"model.draft_vocab=8192 \(now None\)"):
+            check_resume(tmp_path, now)
+
+
 def test_help_into_a_closed_pipe_is_quiet():
     """`python -m train --help | head -3`: the reader leaves before the help is written."""
     proc = subprocess.Popen(

@@ -18,6 +18,7 @@ from peagle_jax.cli import UsageError
 from train.blocks import block_loss_and_metrics, dpace_weights
 from train.flags import parse_args
 from train.loop import run
+from train.spec import LossSpec
 from train.step import split_params
 
 
@@ -57,8 +58,8 @@ def test_dpace_weights_equal_speculators(alpha):
 def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, **kw):
     parts, params, frozen = split_params(drafter, True, True)
     _, arrays = block_batch(ids, mask, anchors, valid)
-    kw = dict(gamma=4.0, ce_weight=1.0, softcap=None, attention="dense", **kw)
-    lossf = functools.partial(block_loss_and_metrics, parts, **kw)
+    spec = LossSpec(mode="dflash", dflash_gamma=4.0, ce_weight=1.0, softcap=None, attention="dense", **kw)
+    lossf = functools.partial(block_loss_and_metrics, parts, spec=spec)
     (loss, _), grads = jax.jit(jax.value_and_grad(lossf, has_aux=True))(
         params, frozen, aux[None], y[None], head_w, arrays
     )
@@ -100,7 +101,7 @@ def test_dpace_loss_equals_speculators(case, alpha, monkeypatch):
         y = model.verifier_norm(torch.as_tensor(hidden)).numpy()
     head_w = jnp.asarray(model.verifier_lm_head.weight.detach().numpy())
     ours = functools.partial(our_loss, drafter, jnp.asarray(aux), jnp.asarray(y), head_w, ids, mask, inputs[4], valid)
-    got, grads = ours(weights="dpace", dpace_alpha=alpha)
+    got, grads = ours(dflash_weights="dpace", dpace_alpha=alpha)
     assert want > 0 and abs(got - want) <= 1e-5 * abs(want), (case, alpha, got, want)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grads))
     exp_loss, _ = ours()  # the default: exp-decay weights

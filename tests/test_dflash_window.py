@@ -164,6 +164,7 @@ def test_window_loss_equals_speculators(head, tmp_path, monkeypatch):
 def test_kernels_give_the_dense_gradients_of_a_causal_window():
     """The causal path (two attentions merged) differentiates like the dense masks."""
     from train.blocks import block_loss_and_metrics
+    from train.spec import LossSpec
     from train.step import split_params
 
     cfg = pj.DrafterConfig(
@@ -187,8 +188,8 @@ def test_kernels_give_the_dense_gradients_of_a_causal_window():
     head_w = jnp.asarray(rng.standard_normal((64, 32)) / 6, jnp.float32)
 
     def loss(p, attention):
-        kw = dict(gamma=4.0, ce_weight=0.0, softcap=None, attention=attention)
-        return block_loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, **kw)[0]
+        spec = LossSpec(mode="dflash", dflash_gamma=4.0, ce_weight=0.0, softcap=None, attention=attention)
+        return block_loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, spec)[0]
 
     dense, g_dense = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, "dense")
     blocked, g_blocked = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, "kernels")

@@ -18,7 +18,7 @@ from paths import VECTORS
 from peagle_jax.drafter import load_drafter
 from peagle_jax.engine import cache as kv
 from peagle_jax.models.drafter import cod_rows_forward, draft_to_target, peagle_mask
-from train.loss import argmax_in_draft, draft_loss, teacher_logits
+from train.loss import LossRows, argmax_in_draft, draft_loss, teacher_logits
 
 TOL = 1e-5
 _cod_jit = jax.jit(lambda gd, st, *a: cod_rows_forward(nnx.merge(gd, st), *a), static_argnums=(0,))
@@ -120,9 +120,8 @@ def test_loss_definition(drafter, rows, target_head):
     _, lm_head, _ = target_head
     y, ref, teacher = _loss_inputs(drafter, rows, target_head)
     logits = _cod_logits(drafter, rows)
-    out = draft_loss(
-        jnp.asarray(logits), teacher, jnp.asarray(rows["loss_mask"][ref]), jnp.asarray(rows["depth"]), num_depths=4
-    )
+    mask, depth = jnp.asarray(rows["loss_mask"][ref]), jnp.asarray(rows["depth"])
+    out = draft_loss(jnp.asarray(logits), teacher, LossRows(mask, depth, num_depths=4))
 
     ids = np.nonzero(drafter.t2d)[0]
     t = (y[ref] @ lm_head.T)[:, ids].astype(np.float64)
@@ -147,7 +146,7 @@ def test_loss_golden_value(drafter, rows, target_head):
     """The corrected golden loss (0.5964163: teacher of row (a, d) at position a + d, KL summed
     over the vocabulary and the supervised rows, divided by count + 1e-5) to 1e-6."""
     _, ref, teacher = _loss_inputs(drafter, rows, target_head)
-    out = draft_loss(jnp.asarray(_cod_logits(drafter, rows)), teacher, jnp.asarray(rows["loss_mask"][ref]))
+    out = draft_loss(jnp.asarray(_cod_logits(drafter, rows)), teacher, LossRows(jnp.asarray(rows["loss_mask"][ref])))
     assert abs(float(out.loss) - float(rows["loss"])) < 1e-6, (float(out.loss), float(rows["loss"]))
 
 

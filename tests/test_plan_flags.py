@@ -28,6 +28,7 @@ BASE = ["--target", "Llama-3.1-8B", "--device", "h100"]
         (["--train-flag=--model.bogus=1"], "--train-flag '--model.bogus=1': unknown option --model.bogus"),
         (["--train-flag=--model.num_layers=0"], "--train-flag '--model.num_layers=0': model.num_layers must be >= 1"),
         (["--job", "serve", "--train-flag=--model.num_layers=2"], "only a --job train plan builds the trainer's step"),
+        (["--target", "Gemma-3-270M", "--layers", "99"], "--layers 99: the target Gemma-3-270M has 18 layers"),
         (["--json", "/proc/plan.json"], "--json /proc/plan.json: folder /proc is not writable"),
         (["--json", "{tmp}"], "exists and is a folder, not a file"),
         (["--json", "{tmp}/file/plan.json"], "is a file, not a folder"),

@@ -58,7 +58,7 @@ def records():
 def reference(target, records, tmp_path_factory):
     """(answers, generated ids by conversation) in process, 3 conversations a batch."""
     cache = tmp_path_factory.mktemp("reference") / "regenerated.jsonl"
-    answers = regenerate(records, target, target.tokenizer, cache, MAX_NEW, batch=3)
+    answers = regenerate(records, target, cache, MAX_NEW, batch=3)
     return answers, _lines(cache)
 
 
@@ -68,7 +68,7 @@ def _lines(cache: Path) -> dict[int, dict]:
 
 def _through(server, target, records, cache, **settings):
     ep = Endpoint(server.url, **{"concurrency": 4, "backoff": 0.0, **settings})
-    return regenerate(records, target, target.tokenizer, cache, MAX_NEW, endpoint=ep)
+    return regenerate(records, target, cache, MAX_NEW, endpoint=ep)
 
 
 @pytest.mark.parametrize("api, token_ids", [("completions", True), ("completions", False), ("chat", True)])
@@ -89,7 +89,7 @@ def test_endpoint_answers_equal_the_in_process_ones(api, token_ids, target, reco
 def test_a_server_answering_500_is_retried(target, records, reference, tmp_path, capsys):
     with LoopbackServer(target, Faults(fail_first=3)) as server:
         ep = Endpoint(server.url, concurrency=2, retries=3, backoff=0.0)
-        got = regenerate(records, target, target.tokenizer, tmp_path / "c.jsonl", MAX_NEW, endpoint=ep, progress=True)
+        got = regenerate(records, target, tmp_path / "c.jsonl", MAX_NEW, endpoint=ep, progress=True)
     assert got == reference[0]
     assert (server.failed, server.answered, server.posts) == (3, N, N + 3)
     assert "conv/s" in capsys.readouterr().err  # the progress bar's rate
@@ -156,7 +156,6 @@ def test_an_endpoint_nobody_serves_is_one_line(target, records, tmp_path):
         regenerate(
             records,
             target,
-            target.tokenizer,
             tmp_path / "c.jsonl",
             MAX_NEW,
             endpoint=Endpoint(url, retries=1, backoff=0.0),

@@ -8,6 +8,7 @@ import pytest
 from kernels.layouts import cod_layout, cod_sample
 from train import cod
 from train.data import Example
+from train.spec import BatchSpec
 
 
 def _mask(n, seed):
@@ -81,19 +82,10 @@ def _example(n, seed):
 
 def test_batch_rows_outside_the_loss_mask_are_never_supervised():
     exs = [_example(40, 0), _example(23, 1)]
-    b = cod.make_batch(
-        exs,
-        step=3,
-        seed=0,
-        max_len=64,
-        mode="parallel",
-        k=5,
-        r=0.7,
-        r_min=0.2,
-        max_anchors=None,
-        row_factor=3.0,
-        length_buckets=1,
+    spec = BatchSpec(
+        mode="parallel", k=5, max_len=64, r=0.7, r_min=0.2, row_factor=3.0, length_buckets=1, row_granularity=0
     )
+    b = cod.make_batch(exs, spec, step=3)
     assert b.tokens.shape == (2, 64)
     assert b.anchor.shape == (2, 192)
     for i, e in enumerate(exs):
@@ -107,19 +99,7 @@ def test_batch_rows_outside_the_loss_mask_are_never_supervised():
         assert np.all(ref[real] <= n - 2)  # every real row has a token and a teacher
         assert np.all(b.sup[i][ref[real & (b.depth[i] > 0)]])
         assert np.all(b.anchor[i] >= 0)
-    again = cod.make_batch(
-        exs,
-        step=3,
-        seed=0,
-        max_len=64,
-        mode="parallel",
-        k=5,
-        r=0.7,
-        r_min=0.2,
-        max_anchors=None,
-        row_factor=3.0,
-        length_buckets=1,
-    )
+    again = cod.make_batch(exs, spec, step=3)
     np.testing.assert_array_equal(again.anchor, b.anchor)
 
 
@@ -128,16 +108,10 @@ def test_row_cut_keeps_chains_nested():
     e.mask[:] = True
     b = cod.make_batch(
         [e],
+        BatchSpec(
+            mode="parallel", k=8, max_len=64, r=0.9, r_min=0.5, row_factor=1.5, length_buckets=1, row_granularity=0
+        ),
         step=0,
-        seed=0,
-        max_len=64,
-        mode="parallel",
-        k=8,
-        r=0.9,
-        r_min=0.5,
-        max_anchors=None,
-        row_factor=1.5,
-        length_buckets=1,
     )
     real = b.doc[0] >= 0
     rows = set(zip(b.anchor[0][real].tolist(), b.depth[0][real].tolist()))

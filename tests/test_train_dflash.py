@@ -19,6 +19,7 @@ from train.blocks import BlockBatch, anchor_candidates, block_loss_and_metrics, 
 from train.data import Example
 from train.flags import parse_args
 from train.loop import run
+from train.spec import LossSpec
 from train.step import split_params
 from train.trainer import Hook
 
@@ -77,8 +78,8 @@ def block_batch(ids, mask, anchors, valid) -> tuple[BlockBatch, dict]:
 def our_loss(drafter, aux, y, head_w, ids, mask, anchors, valid, ce_weight: float, attention: str = "dense"):
     parts, params, frozen = split_params(drafter, True, True)
     batch, arrays = block_batch(ids, mask, anchors, valid)
-    kw = dict(gamma=4.0, ce_weight=ce_weight, softcap=None, attention=attention)
-    loss, m = jax.jit(functools.partial(block_loss_and_metrics, parts, **kw))(
+    spec = LossSpec(mode="dflash", dflash_gamma=4.0, ce_weight=ce_weight, softcap=None, attention=attention)
+    loss, m = jax.jit(functools.partial(block_loss_and_metrics, parts, spec=spec))(
         params, frozen, aux[None], y[None], head_w, arrays
     )
     return float(loss), block_stats(m, batch)
@@ -153,8 +154,8 @@ def test_the_loss_is_the_mean_over_sequences_and_kernels_give_dense_gradients():
     }
 
     def loss(p, attention):
-        kw = dict(gamma=4.0, ce_weight=0.0, softcap=None, attention=attention)
-        return block_loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, **kw)[0]
+        spec = LossSpec(mode="dflash", dflash_gamma=4.0, ce_weight=0.0, softcap=None, attention=attention)
+        return block_loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, spec)[0]
 
     dense, g_dense = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, "dense")
     blocked, g_blocked = jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, "kernels")

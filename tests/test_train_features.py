@@ -78,11 +78,11 @@ def test_regenerated_answers_are_cached_and_resumable(tmp_path, tiny_target):
     target = pj.load_target(tiny_target, dtype="float32")
     records = [(f"row {i}", {"messages": c}) for i, c in enumerate(synthetic_conversations(8, seed=3))]
     cache = tmp_path / "regenerated.jsonl"
-    got = regenerate(records, target, target.tokenizer, cache, 4)
+    got = regenerate(records, target, cache, 4)
     lines = cache.read_text().splitlines()
     assert len(got) == len(lines) == 8
     assert all(m[-1]["role"] == "assistant" and m[0]["role"] == "user" for m in got.values())
     cache.write_text("\n".join(lines[:5]) + "\n" + lines[5][:7])  # interrupted mid-line
-    again = regenerate(records, target, target.tokenizer, cache, 4)
+    again = regenerate(records, target, cache, 4)
     assert again == got  # greedy: the same answers, the first 5 read back
     assert sorted(json.loads(ln)["i"] for ln in cache.read_text().splitlines()) == list(range(8))  # each once

@@ -15,6 +15,7 @@ from paths import VECTORS
 from peagle_jax.drafter import load_drafter
 from peagle_jax.formats.checkpoints import speculators_tensors
 from peagle_jax.models.drafter import param_path
+from train.spec import LossSpec
 from train.step import loss_and_metrics, split_params
 
 
@@ -61,12 +62,7 @@ def _our_loss_and_grads(golden, attention="dense"):
             jnp.asarray(yy),
             head_w,
             batch,
-            mode="parallel",
-            k=4,
-            per_depth=False,
-            chain_decay=1.0,
-            softcap=None,
-            attention=attention,
+            LossSpec(mode="parallel", k=4, per_depth=False, chain_decay=1.0, softcap=None, attention=attention),
         )
 
     (loss, m), grads = jax.jit(jax.value_and_grad(f, has_aux=True))(params)

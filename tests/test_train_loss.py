@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from train.loss import (
+    LossRows,
     draft_loss,
     forward_kl,
     fused_draft_loss,
@@ -44,10 +45,10 @@ def test_global_normalisation_and_empty_batch():
     teacher = jnp.asarray(rng.standard_normal((2, 6, 10)), jnp.float32)
     mask = jnp.asarray(rng.random((2, 6)) < 0.5)
     depth = jnp.asarray(rng.integers(0, 3, (2, 6)))
-    out = draft_loss(logits, teacher, mask, depth, num_depths=3)
+    out = draft_loss(logits, teacher, LossRows(mask, depth, num_depths=3))
     assert abs(float(out.loss) - float(out.loss_sum) / (float(out.rows) + 1e-5)) < 1e-7
     assert int(out.total.sum()) == int(mask.sum())
-    none = draft_loss(logits, teacher, jnp.zeros((2, 6), bool), depth, num_depths=3)
+    none = draft_loss(logits, teacher, LossRows(jnp.zeros((2, 6), bool), depth, num_depths=3))
     assert float(none.loss) == 0.0
 
 
@@ -62,8 +63,8 @@ def test_top1_hit_is_argmax_agreement_per_depth():
     assert not want[1].all()
     np.testing.assert_array_equal(np.asarray(top1_hit(logits, top)), want)
     mask, depth = jnp.ones((2, 40), bool), jnp.asarray(rng.integers(0, 4, (2, 40)))
-    a = draft_loss(logits, teacher, mask, depth, num_depths=4)
-    b = draft_loss(logits, teacher, mask, depth, num_depths=4, teacher_top=top)
+    a = draft_loss(logits, teacher, LossRows(mask, depth, num_depths=4))
+    b = draft_loss(logits, teacher, LossRows(mask, depth, num_depths=4, teacher_top=top))
     want_correct = [want[np.asarray(depth) == d].sum() for d in range(4)]
     np.testing.assert_array_equal(np.asarray(a.correct), want_correct)
     np.testing.assert_array_equal(np.asarray(b.correct), want_correct)
@@ -147,13 +148,13 @@ def test_fused_draft_loss_equals_draft_loss_on_the_logits_without_them():
             rw = kw.pop("row_weight", None)
             if rw is not None:  # draft_loss has no row weights: the same sum by hand
                 kl = forward_kl(hn @ w, t, rows)
-                out = draft_loss(hn @ w, t, mask, depth, num_depths=4, teacher_rows=rows)
+                out = draft_loss(hn @ w, t, LossRows(mask, depth, num_depths=4, teacher_rows=rows))
                 return jnp.sum(kl * rw * mask), out
-            out = draft_loss(hn @ w, t, mask, depth, num_depths=4, teacher_rows=rows, **kw)
+            out = draft_loss(hn @ w, t, LossRows(mask, depth, num_depths=4, teacher_rows=rows, **kw))
             return out.loss, out
 
         def new(hn, w, kw=kw):
-            out = fused_draft_loss(hn, w, t, mask, depth, num_depths=4, teacher_rows=rows, chunk=64, **kw)
+            out = fused_draft_loss(hn, w, t, LossRows(mask, depth, num_depths=4, teacher_rows=rows, **kw), chunk=64)
             return out.loss, out
 
         (la, a), ga = jax.value_and_grad(old, argnums=(0, 1), has_aux=True)(hn, w)
@@ -202,7 +203,7 @@ def test_ce_weight_mixes_forward_kl_and_cross_entropy_on_the_teacher_top():
     for ce_weight in (0.0, 0.3, 1.0):
 
         def fused(hn, w, ce_weight=ce_weight):
-            return fused_draft_loss(hn, w, t, mask, teacher_rows=rows, chunk=32, ce_weight=ce_weight).loss
+            return fused_draft_loss(hn, w, t, LossRows(mask, teacher_rows=rows), chunk=32, ce_weight=ce_weight).loss
 
         la, ga = jax.value_and_grad(written_out, argnums=(0, 1))(hn, w, ce_weight)
         lb, gb = jax.jit(jax.value_and_grad(fused, argnums=(0, 1)))(hn, w)

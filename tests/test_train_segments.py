@@ -21,6 +21,7 @@ from peagle_jax.drafter_config import DrafterConfig
 from train import flags as F
 from train.cod import chain_rows
 from train.segments import resolve_segments, row_segments, segment_rows, segmented_loss
+from train.spec import LossSpec
 from train.step import loss_and_metrics, split_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,12 +90,13 @@ def case(request):
     parts, params, frozen, aux, y, head_w, batch = make_case(mode, k, layers)
     kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=0.8, softcap=None, attention="dense")
     kw["ce_weight"] = ce_weight
+    spec = LossSpec(**kw)
 
     def flat(p):
-        return loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, **kw)
+        return loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, spec)
 
     (loss, metrics), grads = jax.jit(jax.value_and_grad(flat, has_aux=True))(params)
-    seg = jax.jit(lambda p, b: segmented_loss(parts, p, frozen, aux, y, head_w, b, **kw))
+    seg = jax.jit(lambda p, b: segmented_loss(parts, p, frozen, aux, y, head_w, b, spec))
 
     def run(s, seg_rows=None):
         if seg_rows is None:
@@ -203,7 +205,7 @@ def test_the_flat_step_with_the_blockwise_kernels_equals_the_dense_mask():
     kw = dict(mode="parallel", k=4, per_depth=False, chain_decay=0.8, softcap=None)
 
     def flat(p, attention):
-        return loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, attention=attention, **kw)[0]
+        return loss_and_metrics(parts, p, frozen, aux, y, head_w, batch, LossSpec(attention=attention, **kw))[0]
 
     step = jax.jit(jax.value_and_grad(flat), static_argnums=1)
     (loss0, g0), (loss, grads) = step(params, "dense"), step(params, "kernels")

@@ -30,8 +30,9 @@ import numpy as np
 
 from peagle_jax.models.dflash import block_rows_states
 from train import distributed as dist
-from train.loss import fused_kl, loss_target, take_rows, teacher_logits, top_index
+from train.loss import EPS, fused_kl, loss_target, take_rows, teacher_logits, top_index
 from train.segments import attention_for
+from train.spec import LossSpec
 
 __all__ = [
     "BlockBatch",
@@ -49,7 +50,6 @@ __all__ = [
 ]
 
 DEFAULT_ANCHORS = 512  # speculators' max_anchors: data.max_anchors unset
-EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
 
 
 @dataclasses.dataclass
@@ -157,45 +157,32 @@ def block_rows(anchor, valid, sup, block_size: int):
     return at, on & take_rows(sup, jnp.clip(at, 0, length - 1)), slot
 
 
-def block_loss_and_metrics(
-    parts,
-    params,
-    frozen,
-    aux,
-    y,
-    head_w,
-    batch,
-    *,
-    gamma: float,
-    ce_weight: float,
-    softcap,
-    attention: str,
-    weights: str = "exp",
-    dpace_alpha: float = 0.5,
-):
+def block_loss_and_metrics(parts, params, frozen, aux, y, head_w, batch, spec: LossSpec):
     """(loss, metrics) of one DFlash batch from target features aux [B, L, n*Ht] (the head's
     context layers) and final-norm states y [B, L, Ht]; `head_w` [Vd, Ht]: the target's lm_head
-    rows of the draft vocabulary. weights: exp (`slot_weights`) or dpace (`dpace_weights`).
-    metrics: loss, correct / total per draft slot 1..B-1, and per row hit / sup [B, n*bs] (for
-    `block_stats`)."""
+    rows of the draft vocabulary. Slot weights (spec.dflash_weights): exp (`slot_weights` of
+    spec.dflash_gamma) or dpace (`dpace_weights` of spec.dpace_alpha). metrics: loss, correct /
+    total per draft slot 1..B-1, and per row hit / sup [B, n*bs] (for `block_stats`)."""
     model = parts.merge(params, frozen)
     bs, anchor, valid = model.config.block_size, batch["anchor"], batch["anchor_valid"]
-    mask = attention_for(attention, anchor.shape[1] * bs)
+    mask = attention_for(spec.attention, anchor.shape[1] * bs)
     res = block_rows_states(model, batch["tokens"], aux, batch["positions"], batch["doc"], anchor, valid, mask=mask)
     length = aux.shape[1]
     at, sup, slot = block_rows(anchor, valid, batch["sup"], bs)
-    teacher = teacher_logits(y, head_w, None, softcap=softcap)  # [B, L, Vd]: the target at each position
+    teacher = teacher_logits(y, head_w, None, softcap=spec.softcap)  # [B, L, Vd]: the target at each position
     top_t = top_index(teacher)
     ref = jnp.clip(at - 1, 0, length - 1)  # slot k's teacher: the target at a + k - 1
-    dist_ = loss_target(teacher, ce_weight, top_t)
+    dist_ = loss_target(teacher, spec.ce_weight, top_t)
     supf = sup.astype(jnp.float32)
     count = jnp.sum(supf, axis=1, keepdims=True)  # per sequence, as speculators' loss_mask.sum(dim=1)
     hn, w = model.head_inputs(res.prenorm)
     top_ref = take_rows(top_t, ref)
-    slot_w = slot_weights(bs, gamma)[slot]
-    if weights == "dpace":  # a forward-only pass first (one more [rows, Vd] product): weights from each row's CE
+    slot_w = slot_weights(bs, spec.dflash_gamma)[slot]
+    if (
+        spec.dflash_weights == "dpace"
+    ):  # a forward-only pass first (one more [rows, Vd] product): weights from each row's CE
         _, ce, _ = fused_kl(jax.lax.stop_gradient(hn), jax.lax.stop_gradient(w), dist_, ref, supf, top_ref)
-        slot_w = dpace_weights(ce, sup, bs, dpace_alpha)
+        slot_w = dpace_weights(ce, sup, bs, spec.dpace_alpha)
     weight = supf * slot_w / (count + EPS) / anchor.shape[0]
     loss, _, hit = fused_kl(hn, w, dist_, ref, weight, top_ref)
     onehot = jax.nn.one_hot(slot, bs, dtype=jnp.float32) * supf[..., None]

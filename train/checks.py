@@ -1,6 +1,8 @@
 """The values of a training configuration checked before any work starts: ranges, finiteness and
 choices, each refused with one line naming its flag (`peagle_jax.cli.UsageError`, exit 2).
-`train.flags.parse_args` runs `validate` on every command line."""
+`train.flags.parse_args` runs `validate` on every command line. Then, against the loaded target:
+what its head cannot be (`check_target`: a `TrainError`, exit 1) and what one step cannot fit
+(`check_target_fits`)."""
 
 from __future__ import annotations
 
@@ -12,8 +14,19 @@ import os
 from pathlib import Path
 
 from peagle_jax.cli import UsageError
+from train.config import DEFAULT_DRAFT_VOCAB, draft_vocab_size
 
-__all__ = ["validate", "check_target_fits", "step_bytes", "INT_MAX", "SEED_MAX", "FLOAT32_MAX", "FLOAT32_TINY"]
+__all__ = [
+    "validate",
+    "TrainError",
+    "check_target",
+    "check_target_fits",
+    "step_bytes",
+    "INT_MAX",
+    "SEED_MAX",
+    "FLOAT32_MAX",
+    "FLOAT32_TINY",
+]
 
 INT_MAX = 2**31 - 1  # counts, sizes and token ids become int32 arrays and XLA shapes
 SEED_MAX = 2**32 - 1  # numpy's and torch's seeds: non-negative
@@ -86,7 +99,7 @@ def _model_data_checks(cfg) -> list[tuple[bool, str]]:
         (m.num_layers >= 1, "model.num_layers must be >= 1"),
         (m.k_train >= 1, "model.k_train must be >= 1"),
         (m.block_size >= 2, f"model.block_size must be >= 2 (the bonus token and >= 1 draft), got {m.block_size}"),
-        (m.draft_vocab >= 0, "model.draft_vocab must be >= 0"),
+        (m.draft_vocab is None or m.draft_vocab >= 0, "model.draft_vocab must be >= 0 (or unset)"),
         (m.mask_token_id is None or m.mask_token_id >= 0, "model.mask_token_id must be >= 0"),
         *_window_checks(m),
         (d.max_conversations >= 0, "data.max_conversations must be >= 0 (0 = all)"),
@@ -505,8 +518,30 @@ def _prompts_ok(prompts: str) -> bool:
 
 
 # ---------------------------------------------------------------------------------------
-# against the loaded target: its positions, and the memory of one step
+# against the loaded target: the head it can take, its positions, and the memory of one step
 GIB = 2**30
+
+
+class TrainError(ValueError):
+    """A run that cannot start or continue (one-line message)."""
+
+
+def check_target(cfg, target, where) -> None:
+    """TrainError naming `where` (the target folder) when cfg.model cannot train on this target."""
+    mc, v = cfg.model, target.config.vocab_size
+    if mc.draft_vocab is not None and mc.draft_vocab > v:
+        raise TrainError(
+            f"model.draft_vocab={mc.draft_vocab} exceeds the target's vocabulary of {v}: lower --model.draft_vocab, "
+            f"or leave it unset ({DEFAULT_DRAFT_VOCAB}, or the whole vocabulary when smaller)"
+        )
+    if mc.mask_token_id is not None and not 0 <= mc.mask_token_id < v:
+        raise TrainError(f"model.mask_token_id={mc.mask_token_id} is outside the target's vocabulary [0, {v})")
+    n = target.config.num_layers
+    if mc.init_layer is not None and (mc.mode == "dflash" or not -n <= mc.init_layer < n):
+        why = "a DFlash head has no fused first layer" if mc.mode == "dflash" else f"valid: {-n} .. {n - 1}"
+        raise TrainError(f"model.init_layer={mc.init_layer}: {where} has {n} layers ({why})")
+    if target.config.num_layers < 4:
+        raise TrainError(f"{where}: a target of {target.config.num_layers} layers has no 3 distinct aux layers")
 
 
 def step_bytes(cfg, tc) -> int:
@@ -518,7 +553,7 @@ def step_bytes(cfg, tc) -> int:
 
     m, d = cfg.model, cfg.data
     b, t, h = d.batch_size, d.max_len, tc.hidden_size
-    vd = m.draft_vocab if 0 < m.draft_vocab < tc.vocab_size else tc.vocab_size
+    vd = draft_vocab_size(m.draft_vocab, tc.vocab_size)
     if m.mode == "dflash":
         anchors = max(1, min(512 if d.max_anchors is None else d.max_anchors, t - m.block_size))
         rows, keys = anchors * m.block_size, t + anchors * m.block_size

@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from kernels.layouts import cod_sample
+from train.spec import BatchSpec
 
 __all__ = [
     "Batch",
@@ -97,37 +98,22 @@ def chain_rows(doc, k: int):
     return a, d, np.where(ok, doc[a], -1).astype(np.int32)
 
 
-def make_batch(
-    examples,
-    *,
-    step: int,
-    seed: int,
-    max_len: int,
-    mode: str,
-    k: int,
-    r: float,
-    r_min: float,
-    max_anchors,
-    row_factor: float,
-    length_buckets: int = 3,
-    row_granularity: int = 0,
-    first_row: int = 0,
-    length: int | None = None,
-) -> Batch:
-    """A batch of examples (one per row) in the bucket of the longest; COD rows in the row
-    bucket of the longest sampled layout. A process building rows [first_row, ...) of a larger
-    batch passes that offset (row seeds are global) and the whole batch's `length` bucket."""
+def make_batch(examples, spec: BatchSpec, step: int, first_row: int = 0, length: int | None = None) -> Batch:
+    """A batch of examples (one per row) at `step`, sampled as `spec` says (its mode parallel or
+    chain), in the bucket of the longest; COD rows in the row bucket of the longest sampled layout.
+    A process building rows [first_row, ...) of a larger batch passes that offset (row seeds are
+    global) and the whole batch's `length` bucket."""
     if length is None:
-        length = bucket_for(max(len(e.ids) for e in examples), max_len, length_buckets)
-    b = len(examples)
+        length = bucket_for(max(len(e.ids) for e in examples), spec.max_len, spec.length_buckets)
+    b, mode, k = len(examples), spec.mode, spec.k
     layouts = []
     if mode == "parallel":
-        cap = n_rows(length, row_factor)
+        cap = n_rows(length, spec.row_factor)
         for i, e in enumerate(examples):
             sup, doc = row_space(e.ids, e.mask, length)
-            rng = np.random.default_rng([seed, step, first_row + i, e.index])
-            layouts.append(cod_sample(sup, doc, k, r, r_min, rng, max_anchors))
-        rows = row_bucket(max(len(lay[0]) for lay in layouts), cap, row_granularity)
+            rng = np.random.default_rng([spec.seed, step, first_row + i, e.index])
+            layouts.append(cod_sample(sup, doc, k, spec.r, spec.r_min, rng, spec.max_anchors))
+        rows = row_bucket(max(len(lay[0]) for lay in layouts), cap, spec.row_granularity)
     else:
         rows = k * length
     out = Batch(

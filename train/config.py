@@ -15,8 +15,20 @@ __all__ = [
     "TrainConfig",
     "PRESETS",
     "REGENERATION_TRANSPORT",
+    "DEFAULT_DRAFT_VOCAB",
+    "draft_vocab_size",
     "to_dict",
 ]
+
+DEFAULT_DRAFT_VOCAB = 16384  # model.draft_vocab unset: this many, or the target's whole vocabulary when smaller
+
+
+def draft_vocab_size(draft_vocab: int | None, vocab: int) -> int:
+    """The head's draft vocabulary on a target of `vocab` tokens: model.draft_vocab (0: all of them;
+    unset: DEFAULT_DRAFT_VOCAB, at most `vocab`). A value above `vocab` is the caller's to refuse."""
+    if draft_vocab is None:
+        return min(DEFAULT_DRAFT_VOCAB, vocab)
+    return draft_vocab if 0 < draft_vocab < vocab else vocab
 
 
 @dataclasses.dataclass
@@ -44,8 +56,9 @@ class ModelConfig:
     """Drafter layers (each as wide as the target)."""
     k_train: int = 8
     """Depths trained (COD depths 0..k_train-1, or chain steps)."""
-    draft_vocab: int = 16384
-    """Draft vocabulary size: the most frequent supervised tokens of the training data (0 = the full vocabulary)."""
+    draft_vocab: int | None = None
+    """Draft vocabulary size: the most frequent supervised tokens of the training data (0 = the full vocabulary; unset:
+    16384, or the target's whole vocabulary when it is smaller)."""
     fc_norm: bool = True
     """One RMSNorm per aux chunk before fc (Gemma-3's aux states have RMS ~30-1000; vLLM reads the flag)."""
     norm_before_fc: bool = False

@@ -24,10 +24,11 @@ from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.models.dflash import block_rows_states
 from peagle_jax.models.drafter import cod_rows_forward
 from train import cod
-from train.blocks import BlockBatch
+from train.blocks import BlockBatch, block_arrays
 from train.loss import next_rows, take_rows, teacher_logits, top_index
 from train.metrics import anchor_acceptance, clustered_mean
-from train.step import chain_steps, target_states
+from train.spec import BatchSpec
+from train.step import batch_arrays, chain_steps, target_states
 
 __all__ = ["measure", "HeldoutSet", "heldout_rounds", "padded_features", "walk_rounds", "answer_starts"]
 
@@ -106,6 +107,10 @@ class HeldoutSet:
         softcap = target.config.final_logit_softcapping
         self.rows, self.feats, self.greedy = [], [], []
         self.starts = [answer_starts(e.mask) for e in examples]
+        every_anchor = BatchSpec(  # r = 1: every chain kept, one row bucket
+            mode="chain" if chain else "parallel", k=k, max_len=max_len, length_buckets=1, r=1.0, r_min=1.0,
+            row_factor=float(k + 1), row_granularity=512,
+        )  # fmt: skip
         for e in examples:
             aux, y = features(e)
             greedy = _greedy_at(jnp.asarray(y)[None], w, softcap)  # [1, L]: the target's token after each position
@@ -114,21 +119,7 @@ class HeldoutSet:
                 self.rows.append(every_block(e, max_len, block_size, k, room=room))
                 self.greedy.append(greedy)
                 continue
-            b = cod.make_batch(
-                [e],
-                step=0,
-                seed=0,
-                max_len=max_len,
-                mode="chain" if chain else "parallel",
-                k=k,
-                r=1.0,
-                r_min=1.0,
-                max_anchors=None,
-                row_factor=float(k + 1),
-                length_buckets=1,
-                row_granularity=512,
-            )
-            self.rows.append(b)
+            self.rows.append(cod.make_batch([e], every_anchor, step=0))
             self.greedy.append(next_rows(greedy))  # row t: the target at t + 1
 
     def anchor_lengths(self, drafter, i: int) -> tuple[np.ndarray, np.ndarray]:
@@ -148,25 +139,16 @@ class HeldoutSet:
         if self.block_size is not None:
             return self.block_lengths(drafter, b, self.feats[i], self.greedy[i], d2t)
         hit = _row_hits(
-            self.k,
-            self.chain,
-            drafter.graphdef,
-            drafter.state,
-            d2t,
-            b.tokens,
-            self.feats[i],
-            self.greedy[i],
-            b.anchor,
-            b.depth,
-            b.doc,
+            self.k, self.chain, drafter.graphdef, drafter.state, d2t, self.feats[i], self.greedy[i], batch_arrays(b)
         )
         sup = np.take_along_axis(b.sup, np.clip(b.anchor + b.depth, 0, b.sup.shape[1] - 1), axis=1)
         return anchor_acceptance(np.asarray(hit)[0], sup[0], b.anchor[0], b.depth[0], b.doc[0], self.k)
 
     def block_lengths(self, drafter, b, aux, greedy, d2t) -> tuple[np.ndarray, np.ndarray]:
         """(anchors, acceptance lengths) of one sequence's DFlash blocks `b` (a BlockBatch)."""
-        args = (b.tokens, aux, b.positions, b.doc, b.anchor, b.anchor_valid, greedy)
-        hit = np.asarray(_block_hits(drafter.graphdef, drafter.state, d2t, *args))[0, :, : self.k]
+        hit = np.asarray(_block_hits(drafter.graphdef, drafter.state, d2t, aux, greedy, block_arrays(b)))[
+            0, :, : self.k
+        ]
         valid = b.anchor_valid[0]
         return b.anchor[0][valid].astype(np.int64), (1 + np.cumprod(hit[valid], axis=-1).sum(-1)).astype(np.float64)
 
@@ -271,12 +253,14 @@ def _greedy_at(y, w, softcap):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _block_hits(graphdef, state, d2t, tokens, aux, positions, doc, anchor, valid, greedy):
+def _block_hits(graphdef, state, d2t, aux, greedy, batch):
     """[1, n, B - 1] whether each block's draft at slot j (as a target id) is the target's greedy
-    token after position a + j - 1."""
+    token after position a + j - 1 (batch: `train.blocks.block_arrays`)."""
     model = nnx.merge(graphdef, state)
     bs = model.config.block_size
-    logits = block_rows_states(model, tokens, aux, positions, doc, anchor, valid, mask="kernels").logits
+    tokens, anchor = batch["tokens"], batch["anchor"]
+    rows = (batch["positions"], batch["doc"], anchor, batch["anchor_valid"])
+    logits = block_rows_states(model, tokens, aux, *rows, mask="kernels").logits
     top = top_index(logits.reshape(*anchor.shape, bs, -1)[:, :, 1:])  # [1, n, B - 1]
     drafted = top + jnp.take(d2t, top)
     ref = jnp.clip(anchor[..., None] + jnp.arange(bs - 1), 0, tokens.shape[1] - 1)  # a + j - 1, j = 1..B-1
@@ -284,12 +268,14 @@ def _block_hits(graphdef, state, d2t, tokens, aux, positions, doc, anchor, valid
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-def _row_hits(k, chain, graphdef, state, d2t, tokens, aux, greedy, anchor, depth, doc):
+def _row_hits(k, chain, graphdef, state, d2t, aux, greedy, batch):
     """[1, N] whether each row's draft (as a target id) is the target's greedy token: COD rows
-    in one pass, or (`chain`) the training-time test's rows, step by step."""
+    in one pass, or (`chain`) the training-time test's rows, step by step (batch:
+    `train.step.batch_arrays`)."""
     model = nnx.merge(graphdef, state)
+    tokens, anchor, depth, doc = batch["tokens"], batch["anchor"], batch["depth"], batch["doc"]
     if chain:
-        states = chain_steps(model, next_rows(tokens), aux, anchor, depth, doc, k=k, attention="kernels")
+        states = chain_steps(model, next_rows(tokens), aux, batch, k, "kernels")
         logits = model.head(jnp.concatenate(states, axis=1))
     else:
         logits = cod_rows_forward(model, next_rows(tokens), aux, anchor, depth, doc, mask="kernels", chain_depth=k - 1)

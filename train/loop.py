@@ -22,11 +22,11 @@ from train import config as C
 from train import data as D
 from train import distributed as dist
 from train.checkpoint import Checkpoints
-from train.checks import INT_MAX, check_target_fits, foreign_out
+from train.checks import INT_MAX, TrainError, check_target, check_target_fits, foreign_out
 from train.evaluate import heldout_rounds
 from train.metrics import MetricsLog
 from train.payoff import fastest_k, payoff
-from train.trainer import Hook, TimeBudget, Trainer, TrainError, check_target, total_steps
+from train.trainer import Hook, TimeBudget, Trainer, total_steps
 
 __all__ = ["run", "TrainError", "serve_fields", "check_resume"]
 
@@ -94,7 +94,7 @@ def check_resume(out: Path, cfg: C.TrainConfig) -> None:
         for k, v in new[section].items():
             if section == "data" and k in C.REGENERATION_TRANSPORT:
                 continue
-            if old.get(section, {}).get(k) != v:
+            if _unset_default(section, k, old.get(section, {}).get(k)) != _unset_default(section, k, v):
                 raise TrainError(
                     f"{out} holds a run with {section}.{k}={old.get(section, {}).get(k)!r} "
                     f"(now {v!r}): use another --out, or the same settings to resume"
@@ -119,6 +119,14 @@ def check_resume(out: Path, cfg: C.TrainConfig) -> None:
             )
 
 
+def _unset_default(section: str, key: str, value):
+    """model.draft_vocab unset is the 16384 it was before it could be unset: the same head on every
+    target a run of 16384 could train on."""
+    if (section, key, value) == ("model", "draft_vocab", None):
+        return C.DEFAULT_DRAFT_VOCAB
+    return value
+
+
 def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None, mesh=None) -> D.Dataset:
     d = cfg.data
     part = dict(split=d.split, subset=d.subset, revision=d.revision)  # of a Hub dataset
@@ -127,7 +135,7 @@ def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None, mesh=None) 
     if d.regenerate:
         from train.regenerate import regenerate_for
 
-        regenerated = regenerate_for(cfg, records, target, tokenizer, out, mesh, cfg.loop.progress and dist.is_main())
+        regenerated = regenerate_for(cfg, records, target, out, mesh, cfg.loop.progress and dist.is_main())
     examples, stats = D.tokenize(
         records,
         tokenizer,
@@ -219,10 +227,11 @@ class Logging(Hook):
 
 class Export(Hook):
     """At the end of a finished run: the head gathered from every process (`head`), saved as
-    OUT/head and exported for vLLM as OUT/vllm by process 0 (`head_dir`, `vllm_dir`, `report`)."""
+    OUT/head and exported for vLLM as OUT/vllm in `dtype` by process 0 (`head_dir`, `vllm_dir`,
+    `report`)."""
 
-    def __init__(self, out: Path, tpath: Path, cfg: C.TrainConfig):
-        self.out, self.tpath, self.cfg = out, tpath, cfg
+    def __init__(self, out: Path, tpath: Path, dtype: str):
+        self.out, self.tpath, self.dtype = out, tpath, dtype
         self.head = self.head_dir = self.vllm_dir = None
         self.report: dict = {}
 
@@ -231,7 +240,7 @@ class Export(Hook):
             return
         self.head = trainer.head()  # every process takes part in the gather
         if dist.is_main():
-            self.head_dir, self.vllm_dir, self.report = export_head(self.head, self.out, self.tpath, self.cfg)
+            self.head_dir, self.vllm_dir, self.report = export_head(self.head, self.out, self.tpath, self.dtype)
 
 
 def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
@@ -335,7 +344,7 @@ def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, 
         log(f"resumed from {out / 'checkpoints'} at step {start}")
     metrics = MetricsLog(out, start, enabled=dist.is_main())
     opened.append(metrics.close)
-    logging, export = Logging(metrics, ds.heldout, cfg.loop.eval_every), Export(out, tpath, cfg)
+    logging, export = Logging(metrics, ds.heldout, cfg.loop.eval_every), Export(out, tpath, cfg.eval.export_dtype)
     own = [
         StopOnNonFinite(),  # first: a non-finite step is neither logged nor checkpointed
         TimeBudget(cfg.loop.max_seconds),
@@ -372,7 +381,7 @@ def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, 
     if cfg.eval.enabled:
         summary["eval"] = measure_speed(cfg, target, export.head, log)
         check_interrupted()
-        summary.update(serving_advice(cfg, summary, metrics.records()))
+        summary.update(serving_advice(summary, metrics.records()))
     k_serve = summary.get("best_k", trainer.k)
     summary.update(serve_fields(vllm_dir, tpath, k_serve, cfg.model.mode, target.config.model_type))
     summary["wall_seconds"] = time.perf_counter() - t0
@@ -454,16 +463,14 @@ def feature_cache(cfg: C.TrainConfig, trainer: Trainer, tpath: Path):
     return FeatureCache(Path(cfg.data.cache_features), trainer.stepper, tpath, cfg)
 
 
-def export_head(head, out: Path, tpath: Path, cfg: C.TrainConfig):
-    """(head_dir, vllm_dir, inspect report): OUT/head in our format, OUT/vllm for vLLM."""
+def export_head(head, out: Path, tpath: Path, dtype: str):
+    """(head_dir, vllm_dir, inspect report): OUT/head in our format, OUT/vllm for vLLM in `dtype`."""
     from peagle_jax.formats import export_drafter
 
     head_dir = head.save(out / "head")
     try:
         folder = tpath if Path(tpath).is_dir() else None  # a dummy preset has none
-        vllm_dir, report = export_drafter(
-            head_dir, out / "vllm", "vllm", dtype=cfg.eval.export_dtype, target=folder, overwrite=True
-        )
+        vllm_dir, report = export_drafter(head_dir, out / "vllm", "vllm", dtype=dtype, target=folder, overwrite=True)
     except Exception as e:  # noqa: BLE001 - export refused (inspect found a problem)
         raise TrainError(f"export refused: {str(e).splitlines()[0]}") from None
     return head_dir, vllm_dir, report
@@ -505,7 +512,7 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
     }
 
 
-def serving_advice(cfg: C.TrainConfig, summary: dict, records: list[dict]) -> dict:
+def serving_advice(summary: dict, records: list[dict]) -> dict:
     """{best_k, payoff, accelerator_command}: the fastest measured K, what a head needs to pay
     off per K (`train.payoff`) and a run of the tokens the fitted curve asks for at that K."""
     by_k = summary["eval"]["by_k"]

@@ -9,8 +9,9 @@ of the whole batch when a sequence is split into segments). `per_depth=True` ins
 averages within each depth, then over the depths that have rows (an early port's variant).
 
 This matches speculators 0.9.0 (`kl_div_loss` + `loss_function`: sum(kl * mask) /
-(sum(mask) + 1e-5)) exactly: the same 1e-5 (`eps`) is added to the denominator (it also
-makes a batch with no supervised row give loss 0).
+(sum(mask) + 1e-5)) exactly: the same 1e-5 (`EPS`) is added to the denominator (it also
+makes a batch with no supervised row give loss 0). Which rows a loss sums, at which depth,
+reading which teacher position, and how they are weighed: `LossRows`.
 
 Two forms of it: `draft_loss` over given logits (the reference: the golden vectors and
 speculators' arithmetic pin it) and `fused_draft_loss`, what the trainer runs: the same loss
@@ -29,7 +30,9 @@ import jax.numpy as jnp
 from peagle_jax.models.drafter import draft_vocab_ids
 
 __all__ = [
+    "EPS",
     "LossOutput",
+    "LossRows",
     "restrict_to_draft",
     "teacher_logits",
     "argmax_in_draft",
@@ -46,6 +49,9 @@ __all__ = [
     "take_rows",
     "next_rows",
 ]
+
+
+EPS = 1e-5  # the denominator's epsilon of every normalisation (speculators 0.9.0's _LOSS_REDUCTION_EPS)
 
 
 def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -70,6 +76,33 @@ class LossOutput(NamedTuple):
     total: jax.Array  # [K] supervised rows per depth
     hit: jax.Array  # [...] bool: the teacher's top token is the draft's (`top1_hit`); every row
     # from `draft_loss`, the supervised rows only from `fused_draft_loss` (False elsewhere)
+
+
+class LossRows(NamedTuple):
+    """The rows a loss sums over, and how it weighs them.
+
+    mask [...]: the supervised rows (loss mask at ref, times any extra row filter such as
+    `argmax_in_draft`); depth [...] int in [0, num_depths) (None: all depth 0), for the per-depth
+    metrics. teacher_rows [B, N]: with a teacher per position [B, P, Vd], row i reads position
+    teacher_rows[:, i] (None: the teacher is per row); teacher_top [...]: the teacher's top token
+    of each row when the caller has it (one per token, not per row), else it is computed.
+    Weights: each supervised row 1 / (supervised rows + EPS), `normalizer` standing for the count
+    (the global count when rows are split over segments); per_depth: the mean within each depth,
+    then over the depths that have rows; row_weight [B, N] or scalar: given per row instead (the
+    caller's normalisation: segments; `fused_draft_loss` only)."""
+
+    mask: jax.Array
+    depth: jax.Array | None = None
+    num_depths: int = 1
+    teacher_rows: jax.Array | None = None
+    teacher_top: jax.Array | None = None
+    per_depth: bool = False
+    normalizer: jax.Array | float | None = None
+    row_weight: jax.Array | float | None = None
+
+    def depths(self) -> jax.Array:
+        """The depth of each row (0 when not given)."""
+        return jnp.zeros(self.mask.shape, jnp.int32) if self.depth is None else self.depth
 
 
 def restrict_to_draft(target_logits: jax.Array, d2t: jax.Array) -> jax.Array:
@@ -200,53 +233,36 @@ def top1_hit(draft_logits: jax.Array, teacher_top: jax.Array) -> jax.Array:
     return jnp.take(x.reshape(-1), flat) >= jnp.max(x, axis=-1)
 
 
-def draft_loss(
-    draft_logits: jax.Array,
-    teacher: jax.Array,
-    row_mask: jax.Array,
-    depth: jax.Array | None = None,
-    *,
-    num_depths: int = 1,
-    per_depth: bool = False,
-    normalizer: jax.Array | float | None = None,
-    eps: float = 1e-5,
-    teacher_top: jax.Array | None = None,
-    teacher_rows: jax.Array | None = None,
-) -> LossOutput:
-    """Loss and per-depth top-1 metrics over rows.
+def draft_loss(draft_logits: jax.Array, teacher: jax.Array, rows: LossRows) -> LossOutput:
+    """Loss and per-depth top-1 metrics over `rows` (`LossRows`; no row_weight here).
 
-    draft_logits, teacher [..., Vd] (teacher already restricted to the draft vocabulary);
-    row_mask [...] (loss mask at ref, times any extra row filter such as
-    `argmax_in_draft`); depth [...] int in [0, num_depths) (None = all depth 0).
-    `normalizer`: the global supervised-row count when rows are split over segments
-    (default: this call's count). Accuracy: the teacher's top token is the draft's
-    (`top1_hit`), counted over supervised rows; `teacher_top` [...] gives the teacher's
-    argmax when the caller has it (one per token, not per row), else it is computed here.
-    `teacher_rows` [B, N]: teacher is per position [B, P, Vd], row i reads rows[:, i]
-    (`forward_kl`); teacher_top is then per row.
+    draft_logits [..., Vd]; teacher [..., Vd] restricted to the draft vocabulary, per row or
+    per position (`rows.teacher_rows`, `forward_kl`). Accuracy: the teacher's top token is the
+    draft's (`top1_hit`), counted over supervised rows.
     """
-    mask = row_mask.astype(jnp.float32)
-    kl = forward_kl(draft_logits, teacher, teacher_rows)
-    if depth is None:
-        depth = jnp.zeros(mask.shape, jnp.int32)
-    onehot = jax.nn.one_hot(depth, num_depths, dtype=jnp.float32) * mask[..., None]  # [..., K]
+    if rows.row_weight is not None:
+        raise ValueError("draft_loss weighs rows by their count: row weights are fused_draft_loss's")
+    mask = rows.mask.astype(jnp.float32)
+    kl = forward_kl(draft_logits, teacher, rows.teacher_rows)
+    onehot = jax.nn.one_hot(rows.depths(), rows.num_depths, dtype=jnp.float32) * mask[..., None]  # [..., K]
     axes = tuple(range(mask.ndim))
     total = jnp.sum(onehot, axis=axes)
+    teacher_top = rows.teacher_top
     if teacher_top is None:
         teacher_top = top_index(teacher)
-        teacher_top = teacher_top if teacher_rows is None else take_rows(teacher_top, teacher_rows)
+        teacher_top = teacher_top if rows.teacher_rows is None else take_rows(teacher_top, rows.teacher_rows)
     hit = top1_hit(draft_logits, teacher_top)
     correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=axes)
-    rows = jnp.sum(mask)
+    count = jnp.sum(mask)
     loss_sum = jnp.sum(kl * mask)
-    if per_depth:
+    if rows.per_depth:
         per = jnp.sum(onehot * kl[..., None], axis=axes) / jnp.maximum(total, 1.0)
         present = (total > 0).astype(jnp.float32)
         loss = jnp.sum(per * present) / jnp.maximum(jnp.sum(present), 1.0)
     else:
-        denom = rows if normalizer is None else jnp.asarray(normalizer, jnp.float32)
-        loss = loss_sum / (denom + eps)
-    return LossOutput(loss, loss_sum, rows, correct, total, hit)
+        denom = count if rows.normalizer is None else jnp.asarray(rows.normalizer, jnp.float32)
+        loss = loss_sum / (denom + EPS)
+    return LossOutput(loss, loss_sum, count, correct, total, hit)
 
 
 def fused_kl(hn, w, teacher: TeacherDist, rows, weights, top, *, chunk: int = 2048):
@@ -265,11 +281,14 @@ def fused_kl(hn, w, teacher: TeacherDist, rows, weights, top, *, chunk: int = 20
     logits, softmax and KL computed and dropped. Under differentiation the same pass forms the
     piece's gradient (the loss is linear in the weighted KLs: weights x (softmax(z) mass - p) is
     all it needs) and only dh [B, N, H] (and dW when w is differentiated) are kept."""
-    return _fused(chunk, hn, w, teacher.p, teacher.neg_entropy, teacher.mass, rows, weights, top)
+    return _fused(chunk, hn, w, teacher, rows, weights, top)
 
 
-def _fused_pass(chunk, hn, w, p, neg_entropy, mass, rows, weights, top, want_dh: bool, want_dw: bool):
+def _fused_pass(chunk, hn, w, teacher: TeacherDist, rows, weights, top, want: tuple[bool, bool]):
+    """`fused_kl`'s loop: (loss, kl, hit, dh, dw), dh / dw formed when `want` (dh, dw) asks."""
     f32 = jnp.float32
+    p, neg_entropy, mass = teacher
+    want_dh, want_dw = want
     b, n, h = hn.shape
     vd = w.shape[-1]
     pieces = max(1, -(-n // chunk))
@@ -325,13 +344,13 @@ def _fused_pass(chunk, hn, w, p, neg_entropy, mass, rows, weights, top, want_dh:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fused(chunk, hn, w, p, neg_entropy, mass, rows, weights, top):
-    return _fused_pass(chunk, hn, w, p, neg_entropy, mass, rows, weights, top, False, False)[:3]
+def _fused(chunk, hn, w, teacher, rows, weights, top):
+    return _fused_pass(chunk, hn, w, teacher, rows, weights, top, (False, False))[:3]
 
 
-def _fused_fwd(chunk, hn, w, p, neg_entropy, mass, rows, weights, top):
-    args = [x.value for x in (hn, w, p, neg_entropy, mass, rows, weights, top)]
-    loss, kl, hit, dh, dw = _fused_pass(chunk, *args, hn.perturbed, w.perturbed)
+def _fused_fwd(chunk, hn, w, teacher, rows, weights, top):
+    args = jax.tree.map(lambda x: x.value, (hn, w, teacher, rows, weights, top))
+    loss, kl, hit, dh, dw = _fused_pass(chunk, *args, (hn.perturbed, w.perturbed))
     return (loss, kl, hit), (dh, None if dw is None else dw.astype(w.value.dtype))
 
 
@@ -341,52 +360,37 @@ def _fused_bwd(chunk, res, g):
     if not isinstance(g_kl, jax.custom_derivatives.SymbolicZero):
         raise ValueError("fused_kl: differentiate the loss (its first output), not the per-row kl")
     if isinstance(g_loss, jax.custom_derivatives.SymbolicZero):
-        return (None,) * 8
+        return (None,) * 6
     dh = None if dh is None else (g_loss * dh).astype(dh.dtype)
     dw = None if dw is None else (g_loss * dw).astype(dw.dtype)
-    return (dh, dw) + (None,) * 6
+    return (dh, dw) + (None,) * 4
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 def fused_draft_loss(
-    hn: jax.Array,
-    w: jax.Array,
-    teacher: jax.Array,
-    row_mask: jax.Array,
-    depth: jax.Array | None = None,
-    *,
-    num_depths: int = 1,
-    per_depth: bool = False,
-    normalizer: jax.Array | float | None = None,
-    eps: float = 1e-5,
-    teacher_top: jax.Array | None = None,
-    teacher_rows: jax.Array | None = None,
-    row_weight: jax.Array | float | None = None,
-    ce_weight: float = 0.0,
-    chunk: int = 2048,
+    hn: jax.Array, w: jax.Array, teacher: jax.Array, rows: LossRows, *, ce_weight: float = 0.0, chunk: int = 2048
 ) -> LossOutput:
     """`draft_loss` of the rows whose logits are hn @ w (`DrafterModel.head_inputs`), through
     `fused_kl`: the same loss and gradients without the [rows, Vd] logits, and no vocabulary
     work for unsupervised rows: their `hit` is False (`draft_loss` gives every row's).
-    `row_weight` [B, N] or scalar: each supervised row's weight in the loss, in place of
-    `draft_loss`'s normalisations (the caller's: segments); `loss` = sum_r mask_r weight_r KL_r.
-    `ce_weight`: the share of cross-entropy on the teacher's top token in the loss (`loss_target`)."""
-    mask = row_mask.astype(jnp.float32)
-    if depth is None:
-        depth = jnp.zeros(mask.shape, jnp.int32)
-    onehot = jax.nn.one_hot(depth, num_depths, dtype=jnp.float32) * mask[..., None]  # [B, N, K]
+    With `rows.row_weight`, `loss` = sum_r mask_r weight_r KL_r. `ce_weight`: the share of
+    cross-entropy on the teacher's top token in the loss (`loss_target`)."""
+    mask = rows.mask.astype(jnp.float32)
+    depth = rows.depths()
+    onehot = jax.nn.one_hot(depth, rows.num_depths, dtype=jnp.float32) * mask[..., None]  # [B, N, K]
     total = jnp.sum(onehot, axis=(0, 1))
-    rows = jnp.sum(mask)
-    if row_weight is not None:
-        weight = mask * row_weight
-    elif per_depth:  # the mean within each depth, then over the depths with rows (`draft_loss`)
+    count = jnp.sum(mask)
+    if rows.row_weight is not None:
+        weight = mask * rows.row_weight
+    elif rows.per_depth:  # the mean within each depth, then over the depths with rows (`draft_loss`)
         present = (total > 0).astype(jnp.float32)
         weight = mask * jnp.take(present / jnp.maximum(total, 1.0) / jnp.maximum(jnp.sum(present), 1.0), depth)
     else:
-        denom = rows if normalizer is None else jnp.asarray(normalizer, jnp.float32)
-        weight = mask / (denom + eps)
+        denom = count if rows.normalizer is None else jnp.asarray(rows.normalizer, jnp.float32)
+        weight = mask / (denom + EPS)
+    teacher_rows, teacher_top = rows.teacher_rows, rows.teacher_top
     if teacher_rows is None:
         teacher_rows = jnp.broadcast_to(jnp.arange(mask.shape[1], dtype=jnp.int32), mask.shape)
     top = top_index(teacher) if teacher_top is None or ce_weight else None  # per position, once
@@ -395,7 +399,7 @@ def fused_draft_loss(
     target = loss_target(teacher, ce_weight, top)
     loss, kl, hit = fused_kl(hn, w, target, teacher_rows, weight, teacher_top, chunk=chunk)
     correct = jnp.sum(onehot * hit[..., None].astype(jnp.float32), axis=(0, 1))
-    return LossOutput(loss, jnp.sum(kl), rows, correct, total, hit)
+    return LossOutput(loss, jnp.sum(kl), count, correct, total, hit)
 
 
 def acceptance_length(per_depth_acc) -> jax.Array:

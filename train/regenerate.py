@@ -110,7 +110,6 @@ def generate_local(
 def regenerate(
     records,
     target,
-    tokenizer,
     cache: Path,
     max_new: int,
     *,
@@ -120,10 +119,10 @@ def regenerate(
     progress: bool = False,
 ) -> dict[int, list[dict]]:
     """{record index: messages with the target's answer} for every record that has a prompt
-    of at most MAX_PROMPT tokens (the others keep their answers). The answers come from the
+    of at most MAX_PROMPT tokens in the target's tokenizer (the others keep their answers). The answers come from the
     engine in process (`batch` conversations a call, on `mesh` when given), or from `endpoint`.
     EndpointError (one line, the cache kept) when the endpoint fails."""
-    cache = Path(cache)
+    cache, tokenizer = Path(cache), target.tokenizer
     done = read_cache(cache)
     prompts, todo = _jobs(records, tokenizer, done)
     mismatched: list[str] = []
@@ -160,7 +159,7 @@ def regenerate(
     return {i: prompts[i] + [{"role": "assistant", "content": text}] for i, text in done.items() if i in prompts}
 
 
-def regenerate_for(cfg, records, target, tokenizer, out: Path, mesh=None, progress: bool = False) -> dict:
+def regenerate_for(cfg, records, target, out: Path, mesh=None, progress: bool = False) -> dict:
     """`regenerate` with a run's flags (`data.regenerate_*`) into OUT/regenerated.jsonl."""
     d = cfg.data
     endpoint = None
@@ -175,4 +174,4 @@ def regenerate_for(cfg, records, target, tokenizer, out: Path, mesh=None, progre
         )
     cache = Path(out) / "regenerated.jsonl"
     opts = dict(batch=d.regenerate_batch, endpoint=endpoint, mesh=mesh, progress=progress)
-    return regenerate(records, target, tokenizer, cache, d.regenerate_tokens, **opts)
+    return regenerate(records, target, cache, d.regenerate_tokens, **opts)

@@ -30,11 +30,18 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels
-from train.loss import fused_draft_loss, next_rows, take_rows, teacher_logits
+from train.loss import EPS, LossRows, fused_draft_loss, next_rows, take_rows, teacher_logits
+from train.spec import LossSpec
 
-__all__ = ["attention_for", "segment_bounds", "row_segments", "resolve_segments", "segment_rows", "segmented_loss"]
-
-EPS = 1e-5  # train.loss.draft_loss's denominator epsilon (speculators 0.9.0)
+__all__ = [
+    "attention_for",
+    "segment_bounds",
+    "row_segments",
+    "resolve_segments",
+    "segment_rows",
+    "segmented_loss",
+    "SegmentedPass",
+]
 
 
 def attention_for(attention: str, rows: int) -> str:
@@ -110,60 +117,20 @@ def segment_rows(anchor, depth, doc, length: int, segments: int, mode: str, k: i
     return out
 
 
-def segmented_loss(
-    parts,
-    params,
-    frozen,
-    aux,
-    y,
-    head_w,
-    batch,
-    *,
-    mode: str,
-    k: int,
-    per_depth: bool,
-    chain_decay: float,
-    softcap,
-    attention: str = "kernels",
-    ce_weight: float = 0.0,
-    with_grads: bool = True,
-):
+def segmented_loss(parts, params, frozen, aux, y, head_w, batch, spec: LossSpec):
     """(loss, metrics, grads) of one batch over the segments of batch["seg_rows"]: the same
-    values as `train.step.loss_and_metrics` (and its gradient) computed in one flat pass;
-    grads is None without `with_grads` (evaluation)."""
-    sp = SegmentedPass(
-        parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention, ce_weight
-    )
-    if with_grads:
-        (pre0, kv0), depth0_vjp = jax.vjp(sp.depth0, params)
-    else:
-        pre0, kv0 = sp.depth0(params)
-    f32 = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
-    zeros_k = jnp.zeros((k,), jnp.float32)
-    gacc0 = f32((params, pre0, kv0)) if with_grads else None
-    init = (gacc0, jnp.zeros((), jnp.float32), zeros_k, zeros_k, jnp.zeros((sp.bsz, sp.n), bool))
-    body = functools.partial(sp.scan_body, params, pre0, kv0, with_grads)
-    (gacc, loss, correct, total, hit), _ = jax.lax.scan(body, init, (jnp.arange(sp.nseg), sp.seg_rows))
-    grads = None
-    if with_grads:  # the segments' gradients, plus the depth-0 pass's from their summed cotangents
-        g_params, g_pre0, g_kv0 = gacc
-        cast = functools.partial(jax.tree.map, lambda g, x: g.astype(x.dtype))
-        (g_depth0,) = depth0_vjp((cast(g_pre0, pre0), cast(g_kv0, kv0)))
-        grads = jax.tree.map(lambda a, b, x: (a + b.astype(jnp.float32)).astype(x.dtype), g_params, g_depth0, params)
-    metrics = {"loss": loss, "correct": correct, "total": total, "hit": hit, "sup": sp.sup}
-    return loss, metrics, grads
+    values as `train.step.loss_and_metrics` (and its gradient) computed in one flat pass.
+    Evaluation (no gradient): `SegmentedPass(...).run(params, with_grads=False)`."""
+    return SegmentedPass(parts, frozen, aux, y, head_w, batch, spec).run(params)
 
 
 class SegmentedPass:
     """What every segment of one batch shares (traced arrays and static sizes), and the passes:
     the depth-0 rows once (`depth0`), then each segment's own rows (`parallel` / `chain`)."""
 
-    def __init__(
-        self, parts, frozen, aux, y, head_w, batch, mode, k, per_depth, chain_decay, softcap, attention, ce_weight=0.0
-    ):
+    def __init__(self, parts, frozen, aux, y, head_w, batch, spec: LossSpec):
         self.parts, self.frozen, self.aux, self.head_w, self.batch = parts, frozen, aux, head_w, batch
-        self.ce_weight = ce_weight  # the share of cross-entropy in the loss (`train.loss.loss_target`)
-        self.mode, self.k, self.per_depth, self.chain_decay, self.softcap = mode, k, per_depth, chain_decay, softcap
+        self.spec, self.mode, self.k = spec, spec.mode, spec.k
         anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
         self.anchor, self.depth, self.doc = anchor, depth, doc
         self.bsz, self.n = anchor.shape
@@ -172,17 +139,40 @@ class SegmentedPass:
         self.nseg, _, self.r = self.seg_rows.shape
         self.bounds = jnp.asarray(segment_bounds(length, self.nseg))
         self.c0 = -(-length // self.nseg)  # depth-0 rows a segment owns, at most
-        self.backend = "auto" if attention_for(attention, length + self.r) == "kernels" else "dense"
+        self.backend = "auto" if attention_for(spec.attention, length + self.r) == "kernels" else "dense"
         self.row_tok = next_rows(batch["tokens"])  # row t: x[t + 1]
         self.y_next = next_rows(y)  # row t's teacher: the target at t + 1
         ref_all = jnp.clip(anchor + depth, 0, length - 1)
         self.sup = sup = take_rows(batch["sup"], ref_all) & (doc >= 0)
         # whole-batch counts: every segment divides by these, so the segments sum to the flat loss
-        self.counts = counts = jnp.sum(jax.nn.one_hot(depth, k, dtype=jnp.float32) * sup[..., None], axis=(0, 1))
+        self.counts = counts = jnp.sum(jax.nn.one_hot(depth, self.k, dtype=jnp.float32) * sup[..., None], axis=(0, 1))
         self.rows_total = jnp.sum(sup.astype(jnp.float32))
         present = (counts > 0).astype(jnp.float32)
         self.depth_weight = present / jnp.maximum(counts, 1.0) / jnp.maximum(jnp.sum(present), 1.0)
         self.ctx = (anchor[:, :length], depth[:, :length], doc[:, :length])
+
+    def run(self, params, with_grads: bool = True):
+        """(loss, metrics, grads) over every segment; grads None without `with_grads` (evaluation)."""
+        if with_grads:
+            (pre0, kv0), depth0_vjp = jax.vjp(self.depth0, params)
+        else:
+            pre0, kv0 = self.depth0(params)
+        f32 = functools.partial(jax.tree.map, lambda x: jnp.zeros(x.shape, jnp.float32))
+        zeros_k = jnp.zeros((self.k,), jnp.float32)
+        gacc0 = f32((params, pre0, kv0)) if with_grads else None
+        init = (gacc0, jnp.zeros((), jnp.float32), zeros_k, zeros_k, jnp.zeros((self.bsz, self.n), bool))
+        body = functools.partial(self.scan_body, params, pre0, kv0, with_grads)
+        (gacc, loss, correct, total, hit), _ = jax.lax.scan(body, init, (jnp.arange(self.nseg), self.seg_rows))
+        grads = None
+        if with_grads:  # the segments' gradients, plus the depth-0 pass's from their summed cotangents
+            g_params, g_pre0, g_kv0 = gacc
+            cast = functools.partial(jax.tree.map, lambda g, x: g.astype(x.dtype))
+            (g_depth0,) = depth0_vjp((cast(g_pre0, pre0), cast(g_kv0, kv0)))
+            grads = jax.tree.map(
+                lambda a, b, x: (a + b.astype(jnp.float32)).astype(x.dtype), g_params, g_depth0, params
+            )
+        metrics = {"loss": loss, "correct": correct, "total": total, "hit": hit, "sup": self.sup}
+        return loss, metrics, grads
 
     def depth0(self, p):
         """The depth-0 rows, once for every segment: pre-norm states [B, L, H] and per layer the
@@ -221,9 +211,10 @@ class SegmentedPass:
         """(sum of weight x KL, hits, mask) of loss rows from their pre-norm states (teacher per
         row, at ref); weight: per row [B, R] or one for all."""
         ref = jnp.clip(la + ld, 0, self.length - 1)
-        teacher = teacher_logits(take_rows(self.y_next, ref), self.head_w, None, softcap=self.softcap)
+        teacher = teacher_logits(take_rows(self.y_next, ref), self.head_w, None, softcap=self.spec.softcap)
         mask = take_rows(self.batch["sup"], ref) & (lc >= 0) & owned  # the loss normalises the teacher
-        out = fused_draft_loss(*model.head_inputs(pre), teacher, mask, row_weight=weight, ce_weight=self.ce_weight)
+        rows = LossRows(mask, row_weight=weight)
+        out = fused_draft_loss(*model.head_inputs(pre), teacher, rows, ce_weight=self.spec.ce_weight)
         return out.loss, out.hit, mask.astype(jnp.float32)
 
     def parallel(self, model, s, idx, pre0, kv0):
@@ -238,7 +229,7 @@ class SegmentedPass:
         ld = jnp.concatenate([jnp.zeros((bsz, c0), d.dtype), d], axis=1)
         lc = jnp.concatenate([take_rows(self.ctx[2], own0), c], axis=1)
         pre = jnp.concatenate([take_rows(pre0, own0), res.prenorm], axis=1)  # logits never built for all rows
-        weight = jnp.take(self.depth_weight, ld) if self.per_depth else 1.0 / (self.rows_total + EPS)
+        weight = jnp.take(self.depth_weight, ld) if self.spec.per_depth else 1.0 / (self.rows_total + EPS)
         loss, hit, mask = self.row_loss(model, pre, la, ld, lc, owned, weight)
         onehot = jax.nn.one_hot(ld, self.k, dtype=jnp.float32)
         return loss, (onehot, hit, mask, owned, own0)
@@ -263,7 +254,7 @@ class SegmentedPass:
             res = model(tok[:, lo:hi], hidden, positions, None, spec, self.backend, context=context)
             context = model.extend_context(context, res.cache)
             own = valid[:, lo:hi]
-            wj = self.chain_decay**j / (self.counts[j] + EPS)
+            wj = self.spec.chain_decay**j / (self.counts[j] + EPS)
             lj, hit, mask = self.row_loss(model, res.prenorm, aj, dj, cj, own, wj)
             loss = loss + lj
             hidden = model.feedback(res.prenorm)

@@ -39,8 +39,9 @@ from peagle_jax.models.rows import rows_sharded
 from peagle_jax.sharding import kernels_partitioned, role_sharding, shard_state, tree_shardings
 from peagle_jax.target import target_apply
 from train.blocks import block_loss_and_metrics
-from train.loss import fused_draft_loss, next_rows, take_rows, teacher_logits, top_index
-from train.segments import attention_for, resolve_segments, segment_rows, segmented_loss
+from train.loss import LossRows, fused_draft_loss, next_rows, take_rows, teacher_logits, top_index
+from train.segments import SegmentedPass, attention_for, resolve_segments, segment_rows
+from train.spec import LossSpec, StepSpec
 
 __all__ = ["Parts", "trainable", "split_params", "compute_parts", "features", "loss_and_metrics", "TrainStep"]
 
@@ -117,74 +118,38 @@ def _teacher(y, head_w, softcap):
     return teacher_logits(next_rows(y), head_w, None, softcap=softcap)
 
 
-def loss_and_metrics(
-    parts: Parts,
-    params,
-    frozen,
-    aux,
-    y,
-    head_w,
-    batch,
-    *,
-    mode: str,
-    k: int,
-    per_depth: bool,
-    chain_decay: float,
-    softcap,
-    attention: str = "kernels",
-    ce_weight: float = 0.0,
-):
-    """(loss, metrics) of one batch from target features aux [B, L, 3H], y [B, L, H];
-    ce_weight: the share of cross-entropy on the teacher's top token (`train.loss.loss_target`)."""
+def loss_and_metrics(parts: Parts, params, frozen, aux, y, head_w, batch, spec: LossSpec):
+    """(loss, metrics) of one batch of COD rows from target features aux [B, L, 3H], y [B, L, H]
+    and the target's lm_head rows of the draft vocabulary head_w [Vd, H]: the objective of
+    `spec` (mode parallel or chain)."""
     model = parts.merge(params, frozen)
     anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
-    attention = attention_for(attention, anchor.shape[1])
     ref = jnp.clip(anchor + depth, 0, aux.shape[1] - 1)
     row_tok = next_rows(batch["tokens"])
-    teacher = _teacher(y, head_w, softcap)
+    teacher = _teacher(y, head_w, spec.softcap)
     top_t = top_index(teacher)  # the teacher's top token, once per position (rows gather it)
     sup = take_rows(batch["sup"], ref) & (doc >= 0)
-    if mode == "parallel":
-        res = cod_rows_states(model, row_tok, aux, anchor, depth, doc, mask=attention, chain_depth=k - 1)
+    if spec.mode == "parallel":
+        attention = attention_for(spec.attention, anchor.shape[1])
+        res = cod_rows_states(model, row_tok, aux, anchor, depth, doc, mask=attention, chain_depth=spec.k - 1)
         top = take_rows(top_t, ref)
-        out = fused_draft_loss(
-            *model.head_inputs(res.prenorm),
-            teacher,
-            sup,
-            depth,
-            num_depths=k,
-            per_depth=per_depth,
-            teacher_top=top,
-            teacher_rows=ref,
-            ce_weight=ce_weight,
-        )
+        rows = LossRows(sup, depth, spec.k, teacher_rows=ref, teacher_top=top, per_depth=spec.per_depth)
+        out = fused_draft_loss(*model.head_inputs(res.prenorm), teacher, rows, ce_weight=spec.ce_weight)
         loss, hit, correct, total = out.loss, out.hit, out.correct, out.total
     else:
-        loss, hit, correct, total = chain_objective(
-            model,
-            row_tok,
-            aux,
-            teacher,
-            top_t,
-            sup,
-            anchor,
-            depth,
-            doc,
-            k=k,
-            chain_decay=chain_decay,
-            attention=attention,
-            ce_weight=ce_weight,
-        )
+        loss, hit, correct, total = chain_objective(model, row_tok, aux, teacher, top_t, sup, batch, spec)
     metrics = {"loss": loss, "correct": correct, "total": total, "hit": hit, "sup": sup}
     return loss, metrics
 
 
-def chain_steps(model, row_tok, aux, anchor, depth, doc, *, k, attention):
+def chain_steps(model, row_tok, aux, batch, k: int, attention: str):
     """EAGLE-3's training-time test over rows ordered by (step, anchor), L rows a step
-    (`train.cod.chain_rows`): the pre-norm states [B, L, H] of steps 0..k-1. Step j runs only its
-    own rows, over the keys and values steps 0..j-1 left (`context`) and the state step j-1 left
-    at each row (`feedback`): every row is computed once (k passes of L rows), and a row's draft
-    is the engine's chain from its anchor whenever the chain's earlier drafts were right."""
+    (`train.cod.chain_rows`; batch: their anchor, depth and doc): the pre-norm states [B, L, H] of
+    steps 0..k-1, attention "kernels" or "dense". Step j runs only its own rows, over the keys
+    and values steps 0..j-1 left (`context`) and the state step j-1 left at each row
+    (`feedback`): every row is computed once (k passes of L rows), and a row's draft is the
+    engine's chain from its anchor whenever the chain's earlier drafts were right."""
+    anchor, depth, doc = batch["anchor"], batch["depth"], batch["doc"]
     length = aux.shape[1]
     hidden = model.fuse(aux.astype(jnp.float32))
     context = model.empty_context(aux.shape[0], hidden.dtype)
@@ -209,26 +174,18 @@ def chain_steps(model, row_tok, aux, anchor, depth, doc, *, k, attention):
     return states
 
 
-def chain_objective(
-    model, row_tok, aux, teacher, top_t, sup, anchor, depth, doc, *, k, chain_decay, attention, ce_weight=0.0
-):
-    """EAGLE-3's training-time test (`chain_steps`): (loss, hit, correct, total) of the k steps
-    of rows, step j weighted chain_decay**j."""
+def chain_objective(model, row_tok, aux, teacher, top_t, sup, batch, spec: LossSpec):
+    """EAGLE-3's training-time test (`chain_steps`): (loss, hit, correct, total) of the spec.k
+    steps of rows, step j weighted spec.chain_decay**j."""
     length = aux.shape[1]
-    states = chain_steps(model, row_tok, aux, anchor, depth, doc, k=k, attention=attention)
+    attention = attention_for(spec.attention, batch["anchor"].shape[1])
+    states = chain_steps(model, row_tok, aux, batch, spec.k, attention)
     loss = jnp.zeros((), jnp.float32)
     hits, corrects, totals = [], [], []
     for j, prenorm in enumerate(states):
-        o = fused_draft_loss(
-            *model.head_inputs(prenorm),
-            next_rows(teacher, j),
-            sup[:, j * length : (j + 1) * length],
-            None,
-            num_depths=1,
-            teacher_top=next_rows(top_t, j),
-            ce_weight=ce_weight,
-        )
-        loss = loss + (chain_decay**j) * o.loss
+        rows = LossRows(sup[:, j * length : (j + 1) * length], teacher_top=next_rows(top_t, j))
+        o = fused_draft_loss(*model.head_inputs(prenorm), next_rows(teacher, j), rows, ce_weight=spec.ce_weight)
+        loss = loss + (spec.chain_decay**j) * o.loss
         hits.append(o.hit)
         corrects.append(o.correct[0])
         totals.append(o.total[0])
@@ -241,40 +198,18 @@ class TrainStep:
     """Jitted train / eval steps for one run (online teacher, or cached features)."""
 
     def __init__(
-        self,
-        parts: Parts,
-        optimizer,
-        target,
-        head_w,
-        *,
-        mode: str,
-        k: int,
-        per_depth: bool,
-        chain_decay: float,
-        attention: str = "kernels",
-        segments: int | str = 1,
-        max_rows_per_segment: int = 8192,
-        mesh=None,
-        state=None,
-        aux_layer_ids=None,
-        gamma: float = 4.0,
-        ce_weight: float = 0.0,
-        dflash_weights: str = "exp",
-        dpace_alpha: float = 0.5,
+        self, parts: Parts, optimizer, target, head_w, spec: StepSpec, *, aux_layer_ids=None, mesh=None, state=None
     ):
-        """mesh: a (data, fsdp, tensor) Mesh (peagle_jax.sharding): the steps are jitted with explicit
-        shardings (parameters and optimizer state by its rule table, batch rows over data x fsdp,
-        logged scalars replicated); `state` = (params, opt_state, frozen) templates gives their
-        structures. Place the state with `place_state`; batches are this process's rows (`rows`).
-        aux_layer_ids: the target layers the head reads (None: the target's; a DFlash head's own);
-        mode "dflash": `train.blocks` batches, slot weights exp(-(k-1)/gamma) or D-PACE (dflash_weights
-        dpace, smoothing dpace_alpha: `train.blocks.dpace_weights`); ce_weight: the share of
-        cross-entropy on the teacher's top token in every mode's loss (`train.loss.loss_target`)."""
+        """The step of `spec` (its loss: `train.spec.LossSpec`; mode "dflash" takes `train.blocks`
+        batches). aux_layer_ids: the target layers the head reads (None: the target's; a DFlash
+        head's own). mesh: a (data, fsdp, tensor) Mesh (peagle_jax.sharding): the steps are jitted
+        with explicit shardings (parameters and optimizer state by its rule table, batch rows over
+        data x fsdp, logged scalars replicated); `state` = (params, opt_state, frozen) templates
+        gives their structures. Place the state with `place_state`; batches are this process's
+        rows (`rows`)."""
         self.parts, self.optimizer = parts, optimizer
-        self.mesh = mesh
-        self.mode, self.k = mode, k
-        self.segments, self.max_rows = segments, max_rows_per_segment
-        resolve_segments(segments, 1, max_rows_per_segment)  # a bad value fails here, not at the first step
+        self.mesh, self.spec = mesh, spec
+        resolve_segments(spec.segments, 1, spec.max_rows_per_segment)  # a bad value fails here, not at the first step
         self.target_def, self.target_state = target.graphdef, target.state
         self.aux_ids = tuple(target.aux_layer_ids if aux_layer_ids is None else aux_layer_ids)
         self.head_w = head_w
@@ -285,17 +220,17 @@ class TrainStep:
             sh = self._shardings(mesh, state)
             placed = isinstance(head_w, jax.ShapeDtypeStruct)  # `peagle_jax.plan`'s abstract weights
             self.head_w = head_w if placed else jax.device_put(head_w, sh["head_w"])
-        softcap = target.config.final_logit_softcapping
-        kw = dict(mode=mode, k=k, per_depth=per_depth, chain_decay=chain_decay, softcap=softcap)
-        kw.update(attention=attention, ce_weight=ce_weight)
-        lossf = functools.partial(loss_and_metrics, parts, **kw)
-        if mode == "dflash":
-            block_kw = dict(gamma=gamma, ce_weight=ce_weight, softcap=softcap, attention=attention)
-            block_kw.update(weights=dflash_weights, dpace_alpha=dpace_alpha)
-            lossf = functools.partial(block_loss_and_metrics, parts, **block_kw)
-        seglossf = functools.partial(segmented_loss, parts, **kw)  # batches with "seg_rows" (see partition)
+        loss = spec.loss
+        objective = block_loss_and_metrics if loss.mode == "dflash" else loss_and_metrics
         aux_ids = self.aux_ids
         opt = optimizer
+
+        def lossf(params, frozen, aux, y, head_w, batch):
+            return objective(parts, params, frozen, aux, y, head_w, batch, loss)
+
+        def segments(params, frozen, aux, y, head_w, batch, with_grads=True):
+            # batches with "seg_rows" (see partition): (loss, metrics, grads), grads None without with_grads
+            return SegmentedPass(parts, frozen, aux, y, head_w, batch, loss).run(params, with_grads)
 
         def constrain(m, rows):
             # per-row outputs keep the batch split (each process reads its own rows); the rest is replicated
@@ -307,7 +242,7 @@ class TrainStep:
 
         def from_features(params, opt_state, frozen, head_w, aux, y, batch):
             if "seg_rows" in batch:
-                _, m, grads = seglossf(params, frozen, aux, y, head_w, batch)
+                _, m, grads = segments(params, frozen, aux, y, head_w, batch)
             else:
                 (_, m), grads = jax.value_and_grad(lossf, has_aux=True)(params, frozen, aux, y, head_w, batch)
             updates, opt_state = opt.update(grads, opt_state, params)
@@ -324,7 +259,7 @@ class TrainStep:
         def evaluate(params, frozen, head_w, tstate, batch):
             aux, y = features(target.graphdef, tstate, batch["tokens"], batch["positions"], aux_ids)
             if "seg_rows" in batch:
-                return constrain(seglossf(params, frozen, aux, y, head_w, batch, with_grads=False)[1], False)
+                return constrain(segments(params, frozen, aux, y, head_w, batch, with_grads=False)[1], False)
             return constrain(lossf(params, frozen, aux, y, head_w, batch)[1], False)
 
         def feats(tstate, tokens, positions):
@@ -413,14 +348,15 @@ class TrainStep:
     def partition(self, batch: dict) -> dict:
         """The batch with its segments' rows ("seg_rows", host numpy) when it is split into
         more than one segment (train.segments); unchanged otherwise."""
-        if "seg_rows" in batch or self.mode == "dflash":  # DFlash blocks run in one pass
+        mode = self.spec.loss.mode
+        if "seg_rows" in batch or mode == "dflash":  # DFlash blocks run in one pass
             return batch
         length, rows = np.shape(batch["tokens"])[1], np.shape(batch["anchor"])[1]
-        s = resolve_segments(self.segments, rows, self.max_rows)
+        s = resolve_segments(self.spec.segments, rows, self.spec.max_rows_per_segment)
         if s == 1:
             return batch
-        seg = segment_rows(batch["anchor"], batch["depth"], batch["doc"], length, s, self.mode, self.k)
-        if jax.process_count() > 1 and self.mode == "parallel":  # one global array: pad to the widest of any process
+        seg = segment_rows(batch["anchor"], batch["depth"], batch["doc"], length, s, mode, self.spec.loss.k)
+        if jax.process_count() > 1 and mode == "parallel":  # one global array: pad to the widest of any process
             from jax.experimental import multihost_utils
 
             width = int(np.max(multihost_utils.process_allgather(np.int32(seg.shape[2]))))

@@ -31,32 +31,15 @@ from train import data as D
 from train import distributed as dist
 from train.blocks import block_arrays, block_stats, make_block_batch
 from train.checkpoint import Checkpoints
+from train.checks import TrainError, check_target
 from train.metrics import add_stats, stats_record, step_stats
 from train.optim import learning_rate, make_optimizer
+from train.spec import TrainSpec
 from train.step import TrainStep, batch_arrays, compute_parts, split_params
 
 __all__ = ["Trainer", "Hook", "TimeBudget", "TrainError", "total_steps", "head_flags"]
 
 HELDOUT_STEP = 10**9  # the COD seed offset of held-out batches: the same rows at every evaluation
-
-
-class TrainError(ValueError):
-    """A run that cannot start or continue (one-line message)."""
-
-
-def check_target(cfg: C.TrainConfig, target, where) -> None:
-    """TrainError naming `where` (the target folder) when cfg.model cannot train on this target."""
-    mc, v = cfg.model, target.config.vocab_size
-    if mc.draft_vocab > v:
-        raise TrainError(f"model.draft_vocab={mc.draft_vocab} exceeds the target's vocabulary of {v}")
-    if mc.mask_token_id is not None and not 0 <= mc.mask_token_id < v:
-        raise TrainError(f"model.mask_token_id={mc.mask_token_id} is outside the target's vocabulary [0, {v})")
-    n = target.config.num_layers
-    if mc.init_layer is not None and (mc.mode == "dflash" or not -n <= mc.init_layer < n):
-        why = "a DFlash head has no fused first layer" if mc.mode == "dflash" else f"valid: {-n} .. {n - 1}"
-        raise TrainError(f"model.init_layer={mc.init_layer}: {where} has {n} layers ({why})")
-    if target.config.num_layers < 4:
-        raise TrainError(f"{where}: a target of {target.config.num_layers} layers has no 3 distinct aux layers")
 
 
 def head_flags(mc: C.ModelConfig) -> dict:
@@ -111,37 +94,13 @@ def total_steps(cfg: C.TrainConfig, n_train: int) -> int:
     return cfg.loop.steps or max(1, math.ceil(cfg.loop.epochs * n_train / cfg.data.batch_size))
 
 
-def train_step(cfg, parts, optimizer, target, head_w, aux_layer_ids, **placement) -> TrainStep:
-    """The TrainStep a TrainConfig asks for (the trainer's, and the one `peagle_jax.plan` compiles);
-    `placement`: TrainStep's mesh / state."""
-    mc, lc = cfg.model, cfg.loop
-    return TrainStep(
-        parts,
-        optimizer,
-        target,
-        head_w,
-        mode=mc.mode,
-        k=mc.k_train,
-        per_depth=lc.per_depth_loss,
-        chain_decay=lc.chain_decay,
-        attention=mc.attention,
-        segments=lc.segments,
-        max_rows_per_segment=lc.max_rows_per_segment,
-        aux_layer_ids=aux_layer_ids,
-        gamma=lc.dflash_gamma,
-        ce_weight=lc.ce_weight,
-        dflash_weights=lc.dflash_weights,
-        dpace_alpha=lc.dpace_alpha,
-        **placement,
-    )
-
-
 class Trainer:
     """A head for `target` trained by `cfg` over `steps` optimizer steps.
 
     token_counts [V]: supervised token counts of the training data (the draft vocabulary is
     their top model.draft_vocab ids). mesh: a (data, fsdp, tensor) Mesh; the state is placed on
-    it and batches are this process's rows (`rows`)."""
+    it and batches are this process's rows (`rows`). `spec`: the run's step and batches
+    (`train.spec.TrainSpec`), built once here from cfg and the target."""
 
     def __init__(self, cfg: C.TrainConfig, target, steps: int, *, token_counts=None, mesh=None):
         import peagle_jax as pj
@@ -149,12 +108,14 @@ class Trainer:
         mc = cfg.model
         check_target(cfg, target, getattr(target, "path", "the target"))
         self.cfg, self.steps, self.step = cfg, steps, 0
+        self.spec = TrainSpec.of(cfg, target.config)
         self.stop_requested = False  # a hook sets it (`request_stop`): fit ends after this step
         self.dflash = mc.mode == "dflash"
         self.k = mc.block_size - 1 if self.dflash else mc.k_train  # drafts a round
         self.eval_k = min(7, self.k)
         v = target.config.vocab_size
-        vd = mc.draft_vocab if 0 < mc.draft_vocab < v else None
+        vd = C.draft_vocab_size(mc.draft_vocab, v)
+        vd = vd if vd < v else None  # None: the whole vocabulary
         self.drafter = pj.new_drafter(
             target,
             num_layers=mc.num_layers,
@@ -178,13 +139,13 @@ class Trainer:
             params["norm.weight"] = jax.numpy.asarray(tnorm, params["norm.weight"].dtype)
         self.optimizer = make_optimizer(cfg.optim, steps)
         opt_state = self.optimizer.init(params)
-        self.stepper = train_step(
-            cfg,
+        self.stepper = TrainStep(
             parts,
             self.optimizer,
             target,
             head_w,
-            self.drafter.config.aux_layer_ids,
+            self.spec.step,
+            aux_layer_ids=self.drafter.config.aux_layer_ids,
             mesh=mesh,
             state=(params, opt_state, frozen),
         )
@@ -196,41 +157,24 @@ class Trainer:
         return self.stepper.rows(self.cfg.data.batch_size)
 
     def cod_batch(self, examples: list, step: int, first_row: int = 0, length: int | None = None) -> cod.Batch:
-        """The COD rows of `examples` at `step` (cfg.data's sampling: r, r_min, rows, buckets)."""
-        dc, mc = self.cfg.data, self.cfg.model
-        return cod.make_batch(
-            examples,
-            step=step,
-            seed=dc.seed,
-            max_len=dc.max_len,
-            mode=mc.mode,
-            k=mc.k_train,
-            r=dc.cod_r,
-            r_min=dc.cod_r_min,
-            max_anchors=dc.max_anchors,
-            row_factor=dc.row_factor,
-            length_buckets=dc.length_buckets,
-            row_granularity=dc.row_granularity,
-            first_row=first_row,
-            length=length,
-        )
+        """The COD rows of `examples` at `step` (the spec's sampling: r, r_min, rows, buckets)."""
+        return cod.make_batch(examples, self.spec.batch, step, first_row, length)
 
     def batch(self, examples: list, step: int, first_row: int = 0, length: int | None = None):
         """This run's batch of `examples` at `step`: COD rows (`cod_batch`), or DFlash blocks
         (`train.blocks.make_block_batch`: anchors seeded per (data seed, step, row) alike)."""
         if not self.dflash:
             return self.cod_batch(examples, step, first_row, length)
-        dc = self.cfg.data
+        bs = self.spec.batch
         if length is None:
-            length = cod.bucket_for(max(len(e.ids) for e in examples), dc.max_len, dc.length_buckets)
-        bs = self.cfg.model.block_size
+            length = cod.bucket_for(max(len(e.ids) for e in examples), bs.max_len, bs.length_buckets)
         return make_block_batch(
             examples,
             step=step,
-            seed=dc.seed,
+            seed=bs.seed,
             length=length,
-            block_size=bs,
-            max_anchors=dc.max_anchors,
+            block_size=bs.block_size,
+            max_anchors=bs.max_anchors,
             first_row=first_row,
         )
 

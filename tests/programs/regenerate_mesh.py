@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     for mesh in (None, device_mesh(-1, 1, 1)):
         target = pj.load_target(folder, dtype="float32")
         cache = caches / f"mesh-{mesh is not None}.jsonl"
-        answers[mesh is not None] = regenerate(records, target, target.tokenizer, cache, 6, batch=4, mesh=mesh)
+        answers[mesh is not None] = regenerate(records, target, cache, 6, batch=4, mesh=mesh)
     _, _, state = SpeculativeDecoder(target, mode="none").start([[2, 9, 7]] * 4, max_new_tokens=4)
     rows = {str(s.index) for s in state.length.addressable_shards}
     print(

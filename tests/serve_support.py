@@ -27,18 +27,24 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, argv: list[str], log: Path, model: str):
-        self.port, self.model, self.log = free_port(), model, log
+    """`model`: the --served-model-name (None: the server's default); `env`: extra environment;
+    `tls`: an ssl.SSLContext trusting the server's certificate (it speaks HTTPS); `headers`: sent
+    with every `request` (an API key)."""
+
+    def __init__(self, argv: list[str], log: Path, model: str | None, env=None, tls=None, headers=None):
+        self.port, self.model, self.log, self.tls = free_port(), model, log, tls
+        self.headers = dict(headers or {})
         cmd = [sys.executable, "-m", "infer", "serve", *argv, "--port", str(self.port)]
-        cmd += ["--served-model-name", model]
+        if model is not None:
+            cmd += ["--served-model-name", model]
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=dict(os.environ)
+            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env={**os.environ, **(env or {})}
         )
         self.wait_ready()
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + HANG_S
@@ -70,12 +76,20 @@ class ServerProcess:
         raise KeyError(f"{name} not in /metrics")
 
 
+def connection(server, timeout: float = HANG_S) -> http.client.HTTPConnection:
+    if getattr(server, "tls", None) is not None:
+        return http.client.HTTPSConnection("127.0.0.1", server.port, timeout=timeout, context=server.tls)
+    return http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+
+
 def request(server, method: str, path: str, body=None, headers=None, timeout: float = HANG_S):
-    """(status, headers, text) of one plain HTTP request; a dict body is sent as JSON."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    """(status, headers, text) of one HTTP request (the server's own headers, then `headers`);
+    a dict body is sent as JSON."""
+    conn = connection(server, timeout)
     try:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        sent = {"Content-Type": "application/json", **getattr(server, "headers", {}), **(headers or {})}
+        conn.request(method, path, body=data, headers=sent)
         resp = conn.getresponse()
         return resp.status, dict(resp.getheaders()), resp.read().decode()
     finally:

@@ -5,6 +5,15 @@ prefilled alone, then inserted), releases the slots of cancelled ones, runs one 
 slot, and hands each request the tokens it gained. A request leaves its slot the round it ends:
 an eos id or stop token id, its token budget, or a cancel (a stop string seen by the HTTP side,
 a client gone). The HTTP side only submits, cancels and reads events (`Job.emit`).
+
+Failures: an exception in one request's own work (its prefill) ends that request with
+`Failed(..., 500)` and the loop goes on; an exception anywhere else (a step, an insert: the
+device state every slot shares) ends every request with `Failed(..., 503)`, logs one line and
+stops the loop (`on_failure` is called: the server exits, or stays up answering 503). A stop
+(`begin_shutdown`) ends every request with `Failed("the server is shutting down", 503)`.
+
+For tests only: PEAGLE_SERVE_FAULT=prefill:N or step:N (read at start) makes the Nth prefill or
+the Nth step raise, so that both failure paths can be driven through the real process.
 """
 
 from __future__ import annotations
@@ -12,13 +21,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from peagle_jax.engine.sampling import SamplingParams
 
 log = logging.getLogger("infer.serve")
+FAULT_ENV = "PEAGLE_SERVE_FAULT"
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +83,10 @@ class Job:
     prompt_logprobs: int | None = None  # echo with logprobs: the prompt's, with this many top tokens
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
+    cancel_reason: str = "abort"  # for the metrics: "stop" (a stop string) or "abort" (a client gone)
     generated: int = 0
+    admitted: float = 0.0  # when its prefill began
+    last_tokens: float = 0.0  # when it last gained tokens (inter-token latency)
 
 
 class QueueFull(Exception):
@@ -81,9 +97,39 @@ class Closed(Exception):
     """The server is shutting down."""
 
 
+def cause(err: BaseException) -> str:
+    """An exception as one line: its type, message and the line of code that raised it."""
+    where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+    at = f" (at {os.path.basename(where[0].filename)}:{where[0].lineno})" if where else ""
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}{at}"
+
+
+class Faults:
+    """For tests only: `PEAGLE_SERVE_FAULT=prefill:N` / `step:N` makes the Nth prefill / step
+    raise (N >= 1), so that the tests drive a request's failure and the device's through the
+    real process. Unset in production: `hit` only counts."""
+
+    KINDS = ("prefill", "step")
+
+    def __init__(self, spec: str | None):
+        self.kind, self.at, self.counts = None, 0, dict.fromkeys(self.KINDS, 0)
+        if spec:
+            kind, _, n = spec.partition(":")
+            if kind not in self.KINDS or not n.isdigit() or int(n) < 1:
+                raise ValueError(f"{FAULT_ENV}={spec!r}: expected prefill:N or step:N (N >= 1)")
+            self.kind, self.at = kind, int(n)
+
+    def hit(self, kind: str) -> None:
+        self.counts[kind] += 1
+        if kind == self.kind and self.counts[kind] == self.at:
+            raise RuntimeError(f"injected fault ({FAULT_ENV}={kind}:{self.at})")
+
+
 class Scheduler:
-    def __init__(self, slots, max_queue: int, metrics):
+    def __init__(self, slots, max_queue: int, metrics, on_failure: Callable[[BaseException], None] | None = None):
         self.slots, self.max_queue, self.metrics = slots, int(max_queue), metrics
+        self.on_failure = on_failure  # called from the device thread once the loop has failed
+        self.faults = Faults(os.environ.get(FAULT_ENV))
         self.stop_ids = frozenset(slots.cfg.eos_ids)
         self._pending: collections.deque[Job] = collections.deque()
         self._running: dict[int, Job] = {}
@@ -98,25 +144,27 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queues the jobs of one request, all or none."""
         with self._wake:
             if self._closing:
-                raise Closed("the server is shutting down")
-            if len(self._pending) >= self.max_queue:
-                raise QueueFull(f"all {self.slots.batch} slots are busy and {self.max_queue} requests wait")
-            self._pending.append(job)
-            self.metrics.queue.set(len(self._pending))
+                raise Closed(SHUTTING_DOWN)
+            if len(self._pending) + len(jobs) > self.max_queue:
+                raise QueueFull(f"all {self.slots.batch} slots are busy and {len(self._pending)} requests wait")
+            self._pending.extend(jobs)
+            self.metrics.waiting(len(self._pending))
             self._wake.notify()
 
-    def cancel(self, job: Job) -> None:
-        """The job's slot is freed before the next round (no event follows)."""
+    def cancel(self, job: Job, reason: str = "abort") -> None:
+        """The job's slot is freed before the next round (no event follows). `reason`, for the
+        metrics: "stop" (a stop string ended it), "abort" (its client went away)."""
         with self._wake:
-            job.cancelled = True
+            job.cancelled, job.cancel_reason = True, reason
             self._wake.notify()
 
     def begin_shutdown(self) -> None:
         """New requests are refused; the loop ends every waiting and running one with
-        Finished("abort") and stops (returns at once: a signal handler calls it)."""
+        Failed(SHUTTING_DOWN, 503) and stops (returns at once: a signal handler calls it)."""
         with self._wake:
             self._closing = True
             self._wake.notify()
@@ -134,12 +182,14 @@ class Scheduler:
     # ------------------------------------------------------------ the device thread
 
     def _loop(self) -> None:
+        failed = None
         try:
             while self._next():
                 pass
-        except BaseException as err:  # a device failure: every request ends, /health says so
+        except BaseException as err:  # noqa: BLE001 - a device failure: every request ends, /health says so
+            failed = Failed(f"the device failed ({cause(err)}); the server stops", 503)
+            log.error("the device loop failed: %s", cause(err))
             self.failure = err
-            log.exception("the device loop failed")
         with self._wake:
             self._closing = True
             jobs = self._admitting + list(self._pending) + list(self._running.values())
@@ -147,8 +197,10 @@ class Scheduler:
             self._pending.clear()
             self._running.clear()
         for job in jobs:
-            self._end(job, "abort")
+            self._fail(job, failed or Failed(SHUTTING_DOWN, 503))
         self._gauges()
+        if self.failure is not None and self.on_failure is not None:
+            self.on_failure(self.failure)
 
     def _next(self) -> bool:
         """One step: admissions, releases, a round. False once closing."""
@@ -162,7 +214,7 @@ class Scheduler:
         while self._admitting:
             job = self._admitting[0]
             if job.cancelled:
-                self.metrics.finished.labels("cancelled").inc()
+                self.metrics.cancelled(job)
             else:
                 self._admit(job, free)
             self._admitting.pop(0)
@@ -175,10 +227,16 @@ class Scheduler:
 
     def _admit(self, job: Job, free: list[int]) -> None:
         p = job.params
-        row = self.slots.prefill(job.ids, p.max_tokens, p.temperature, p.top_p, p.seed)
-        tokens, done = self.slots.first_tokens(row)
-        self.metrics.prompt_tokens.inc(len(job.ids))
-        self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+        job.admitted = time.perf_counter()
+        try:  # the request's own work: its failure is the request's alone
+            self.faults.hit("prefill")
+            row = self.slots.prefill(job.ids, p.max_tokens, p.temperature, p.top_p, p.seed)
+            tokens, done = self.slots.first_tokens(row)
+        except Exception as err:  # noqa: BLE001 - any failure here ends this request, not the server
+            log.error("a request failed in its prefill (%d prompt tokens): %s", len(job.ids), cause(err))
+            self._fail(job, Failed(f"the request failed in its prefill ({cause(err)})", 500))
+            return
+        self.metrics.first_token(job)
         if self._deliver(job, tokens, done):
             return
         slot = free.pop(0)
@@ -190,12 +248,12 @@ class Scheduler:
         with self._wake:
             gone = [slot for slot, job in self._running.items() if job.cancelled]
             for slot in gone:
-                del self._running[slot]
-                self.metrics.finished.labels("cancelled").inc()
+                self.metrics.cancelled(self._running.pop(slot))
         if gone:
             self.slots.release(gone)
 
     def _round(self) -> None:
+        self.faults.hit("step")
         self.slots.round()
         news = self.slots.tokens()
         rounds = int(news.rounds.max())
@@ -207,6 +265,7 @@ class Scheduler:
             gained += len(ids)
             if news.rounds[slot]:
                 self.metrics.acceptance.observe(len(ids) / news.rounds[slot])
+                self.metrics.drafts(len(ids), int(news.rounds[slot]), bool(news.done[slot]))
             if self._deliver(job, ids, bool(news.done[slot])):
                 ended.append(slot)
         if rounds:
@@ -221,12 +280,12 @@ class Scheduler:
     def _deliver(self, job: Job, ids: list[int], engine_done: bool) -> bool:
         """Sends a job its new tokens; True when it has ended (an eos or stop id, the budget, a cancel)."""
         if job.cancelled:
-            self.metrics.finished.labels("cancelled").inc()
+            self.metrics.cancelled(job)
             return True
         stop = next((i for i, t in enumerate(ids) if t in self.stop_ids or t in job.params.stop_token_ids), None)
         kept = ids if stop is None else ids[:stop]
         job.generated += len(ids) if stop is None else stop + 1
-        self.metrics.generated.inc(len(ids) if stop is None else stop + 1)
+        self.metrics.tokens(job, len(ids) if stop is None else stop + 1)
         if kept:
             job.emit(Tokens(kept))
         if stop is not None or engine_done or job.generated >= job.params.max_tokens:
@@ -235,9 +294,13 @@ class Scheduler:
         return False
 
     def _end(self, job: Job, reason: str) -> None:
-        self.metrics.finished.labels(reason).inc()
+        self.metrics.finished(job, reason)
         job.emit(Finished(reason, job.generated))
 
+    def _fail(self, job: Job, failure: Failed) -> None:
+        self.metrics.finished(job, "failed")
+        job.emit(failure)
+
     def _gauges(self) -> None:
-        self.metrics.queue.set(len(self._pending))
-        self.metrics.slots.set(len(self._running))
+        self.metrics.waiting(len(self._pending))
+        self.metrics.running(len(self._running))

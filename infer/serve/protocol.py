@@ -84,7 +84,7 @@ def _check_tree(data: Any) -> None:
     todo = [(data, "", 1)]
     while todo:
         value, where, depth = todo.pop()
-        if depth > MAX_DEPTH:
+        if depth > MAX_DEPTH and isinstance(value, (dict, list)):
             raise ApiError(400, f"the body is not valid JSON (nested deeper than {MAX_DEPTH})", code="invalid_json")
         if isinstance(value, str):
             _check_text(value, where or "the body")

@@ -2,7 +2,7 @@
 
 Pure ASGI middleware, outermost first: `Count` (the metrics' label: the route's template, or
 "other", never the raw path), CORS when `--allowed-origins` names origins (Starlette's), then
-`Guard`: the Host allow-list (400), the API key on /v1/* (and on /health and /metrics when
+`Guard`: the size of the head (431), the Host allow-list (400), the API key on /v1/* (and on /health and /metrics when
 they are closed: 401), the Content-Type of a body (application/json only: 415), its size (the
 Content-Length first, then what arrives: 413) and its arrival (all of it within the client
 timeout: else 408, connection closed). A client that goes away mid-body is one log line.
@@ -57,7 +57,7 @@ class Access:
 class Limits:
     max_body: int = 1 << 20  # bytes of a request body (413)
     client_timeout: float = 30.0  # seconds for a request's head to arrive, then for its body (408)
-    max_header: int = 16 << 10  # bytes of a request's head (h11's limit: 400)
+    max_header: int = 16 << 10  # bytes of a request's head (431; one that arrives in pieces: h11's limit, 400)
     max_connections: int = 512  # open connections before requests get 503 (uvicorn's limit_concurrency)
 
 
@@ -104,7 +104,7 @@ class Guard:
         refusal = self.refusal(scope)
         if refusal is not None:
             headers = ((b"www-authenticate", b"Bearer"),) if refusal.status == 401 else ()
-            return await answer(send, refusal, close=refusal.status == 413, headers=headers)
+            return await answer(send, refusal, close=refusal.status in (413, 431), headers=headers)
         if scope["method"] in BODY_METHODS:
             body = await self.read(scope, receive, send)
             if body is None:
@@ -115,6 +115,13 @@ class Guard:
     def refusal(self, scope) -> ApiError | None:
         """Why a request is refused from its head alone (None: it may go on)."""
         headers, path = _headers(scope), scope["path"]
+        size = sum(len(k) + len(v) for k, v in scope.get("headers", []))
+        if size > self.limits.max_header:  # h11 bounds a head that arrives in pieces; this, one that came whole
+            return ApiError(
+                431,
+                f"the request's headers are larger than {self.limits.max_header} bytes (--max-header-bytes)",
+                code="headers_too_large",
+            )
         host = headers.get("host", "")
         if not self.access.host_ok(host):
             return ApiError(

@@ -88,11 +88,18 @@ def settings(args) -> tuple[Access, Limits]:
     return access, Limits(args.max_body_bytes, args.client_timeout, args.max_header_bytes, args.max_connections)
 
 
-def loopback(host: str) -> bool:
+def open_warning(host: str, keys) -> str | None:
+    """The warning line of a server that anyone beyond this machine may reach and use."""
     try:
-        return ipaddress.ip_address(host).is_loopback
+        loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return host == "localhost"
+        loopback = host == "localhost"
+    if loopback or keys:
+        return None
+    return (
+        f"warning: listening on {host} without an API key: anyone who reaches the port can generate "
+        f"(--api-key, --api-key-file or {KEY_ENV})"
+    )
 
 
 def build(args):
@@ -175,11 +182,9 @@ def serve(args) -> int:
         f"serving {served.model!r} on {scheme}://{args.host}:{args.port} ({scheduler.slots.batch} slots x "
         f"{scheduler.slots.length} positions, k={scheduler.slots.cfg.k}, mode {scheduler.slots.cfg.mode})"
     )
-    if not access.keys and not loopback(args.host):
-        status(
-            f"warning: listening on {args.host} without an API key: anyone who reaches the port can generate "
-            f"(--api-key, --api-key-file or {KEY_ENV})"
-        )
+    warning = open_warning(args.host, access.keys)
+    if warning:
+        status(warning)
     try:
         server.run()
     finally:

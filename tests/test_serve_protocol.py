@@ -242,6 +242,12 @@ def test_fault_hook_raises_at_the_nth_and_refuses_a_bad_spec():
         faults.hit("step")
     faults.hit("step")  # once only
     Faults(None).hit("prefill")
+    both = Faults("prefill:1,step:2")
+    both.hit("step")
+    with pytest.raises(RuntimeError, match="prefill 1"):
+        both.hit("prefill")
+    with pytest.raises(RuntimeError, match="step 2"):
+        both.hit("step")
     for spec in ("step", "step:0", "round:1", "prefill:x"):
         with pytest.raises(ValueError, match="PEAGLE_SERVE_FAULT"):
             Faults(spec)

@@ -12,8 +12,8 @@ device state every slot shares) ends every request with `Failed(..., 503)`, logs
 stops the loop (`on_failure` is called: the server exits, or stays up answering 503). A stop
 (`begin_shutdown`) ends every request with `Failed("the server is shutting down", 503)`.
 
-For tests only: PEAGLE_SERVE_FAULT=prefill:N or step:N (read at start) makes the Nth prefill or
-the Nth step raise, so that both failure paths can be driven through the real process.
+For tests only: PEAGLE_SERVE_FAULT=prefill:N or step:N, or both (read at start), makes the Nth
+prefill or the Nth step raise, so that both failure paths can be driven through the real process.
 """
 
 from __future__ import annotations
@@ -105,24 +105,26 @@ def cause(err: BaseException) -> str:
 
 
 class Faults:
-    """For tests only: `PEAGLE_SERVE_FAULT=prefill:N` / `step:N` makes the Nth prefill / step
-    raise (N >= 1), so that the tests drive a request's failure and the device's through the
-    real process. Unset in production: `hit` only counts."""
+    """For tests only: `PEAGLE_SERVE_FAULT=prefill:N` / `step:N` (or both, comma separated) makes
+    the Nth prefill / step raise (N >= 1), so that the tests drive a request's failure and the
+    device's through the real process. Unset in production: `hit` only counts."""
 
     KINDS = ("prefill", "step")
 
     def __init__(self, spec: str | None):
-        self.kind, self.at, self.counts = None, 0, dict.fromkeys(self.KINDS, 0)
-        if spec:
-            kind, _, n = spec.partition(":")
+        self.at, self.counts = {}, dict.fromkeys(self.KINDS, 0)
+        for part in (spec or "").split(","):
+            if not part:
+                continue
+            kind, _, n = part.partition(":")
             if kind not in self.KINDS or not n.isdigit() or int(n) < 1:
-                raise ValueError(f"{FAULT_ENV}={spec!r}: expected prefill:N or step:N (N >= 1)")
-            self.kind, self.at = kind, int(n)
+                raise ValueError(f"{FAULT_ENV}={spec!r}: expected prefill:N, step:N or both, comma separated (N >= 1)")
+            self.at[kind] = int(n)
 
     def hit(self, kind: str) -> None:
         self.counts[kind] += 1
-        if kind == self.kind and self.counts[kind] == self.at:
-            raise RuntimeError(f"injected fault ({FAULT_ENV}={kind}:{self.at})")
+        if self.at.get(kind) == self.counts[kind]:
+            raise RuntimeError(f"injected fault ({FAULT_ENV}: {kind} {self.counts[kind]})")
 
 
 class Scheduler:
@@ -147,6 +149,8 @@ class Scheduler:
     def submit(self, *jobs: Job) -> None:
         """Queues the jobs of one request, all or none."""
         with self._wake:
+            if self.failure is not None:
+                raise Closed("the device failed; this server serves nothing until it is restarted")
             if self._closing:
                 raise Closed(SHUTTING_DOWN)
             if len(self._pending) + len(jobs) > self.max_queue:

@@ -2,7 +2,7 @@
 the scheduler's test-only fault hook (PEAGLE_SERVE_FAULT): a request whose own work fails gets a
 500 and the server goes on; a device failure ends every request with an error, is one log line
 and exits 1 (`--on-device-failure exit`), or leaves the server up answering 503 (`stay`, here
-over HTTPS with a certificate made for the test); a start-up whose slots the device cannot hold
+over HTTPS with a certificate made for the test, its probes keyed too); a start-up whose slots the device cannot hold
 names the flags and the plan command."""
 
 from __future__ import annotations
@@ -115,8 +115,10 @@ def certificate(tmp_path_factory):
 def staying(assets, certificate):
     key, cert = certificate
     argv = [*model_argv(assets), "--on-device-failure", "stay", "--ssl-keyfile", str(key), "--ssl-certfile", str(cert)]
+    argv += ["--api-key", "sk-probes", "--probes-need-key"]
     tls = ssl.create_default_context(cafile=str(cert))
-    proc = ServerProcess(argv, assets / "staying.log", "tiny", env={"PEAGLE_SERVE_FAULT": "step:2"}, tls=tls)
+    env, headers = {"PEAGLE_SERVE_FAULT": "step:2"}, {"Authorization": "Bearer sk-probes"}
+    proc = ServerProcess(argv, assets / "staying.log", "tiny", env=env, tls=tls, headers=headers)
     yield proc
     assert proc.stop() == 1, proc.stderr()  # a run whose device failed: exit 1 whenever it ends
     assert "Traceback" not in proc.stderr(), proc.stderr()
@@ -124,8 +126,10 @@ def staying(assets, certificate):
 
 def test_https_serves_and_plain_http_is_refused(staying):
     http_client = openai.DefaultHttpxClient(verify=staying.tls)
-    c = openai.OpenAI(base_url=staying.base_url + "/v1", api_key="unused", max_retries=0, http_client=http_client)
+    c = openai.OpenAI(base_url=staying.base_url + "/v1", api_key="sk-probes", max_retries=0, http_client=http_client)
     assert c.completions.create(model="tiny", prompt=[5, 6], max_tokens=1).usage.completion_tokens == 1
+    for path in ("/health", "/metrics"):  # --probes-need-key
+        assert request(staying, "GET", path, headers={"Authorization": ""})[0] == 401, path
     plain = type("Plain", (), {"port": staying.port})()
     with pytest.raises(OSError):
         request(plain, "GET", "/health", timeout=10)

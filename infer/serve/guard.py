@@ -2,7 +2,8 @@
 
 Pure ASGI middleware, outermost first: `Count` (the metrics' label: the route's template, or
 "other", never the raw path), CORS when `--allowed-origins` names origins (Starlette's), then
-`Guard`: the size of the head (431), the Host allow-list (400), the API key on /v1/* (and on /health and /metrics when
+`Guard`: the size of the head (431), both Transfer-Encoding and Content-Length (400), the Host
+allow-list (400), the API key on /v1/* (and on /health and /metrics when
 they are closed: 401), the Content-Type of a body (application/json only: 415), its size (the
 Content-Length first, then what arrives: 413) and its arrival (all of it within the client
 timeout: else 408, connection closed). A client that goes away mid-body is one log line.
@@ -104,7 +105,7 @@ class Guard:
         refusal = self.refusal(scope)
         if refusal is not None:
             headers = ((b"www-authenticate", b"Bearer"),) if refusal.status == 401 else ()
-            return await answer(send, refusal, close=refusal.status in (413, 431), headers=headers)
+            return await answer(send, refusal, close=refusal.status in (400, 413, 431), headers=headers)
         if scope["method"] in BODY_METHODS:
             body = await self.read(scope, receive, send)
             if body is None:
@@ -121,6 +122,10 @@ class Guard:
                 431,
                 f"the request's headers are larger than {self.limits.max_header} bytes (--max-header-bytes)",
                 code="headers_too_large",
+            )
+        if "transfer-encoding" in headers and "content-length" in headers:  # how requests are smuggled past proxies
+            return ApiError(
+                400, "a request with both Transfer-Encoding and Content-Length is refused", code="invalid_request"
             )
         host = headers.get("host", "")
         if not self.access.host_ok(host):

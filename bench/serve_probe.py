@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny model and socket helpers
+from serve_support import closed_within, free_port, tiny_assets  # noqa: E402
+
 KEY = "probe-key"
 CLIENT_TIMEOUT = 3.0  # --client-timeout, when the server has it
 WAIT = 10.0  # how long a case waits for an answer
@@ -43,22 +46,7 @@ Row = dict  # {"case", "expected", "got", "ok"}
 
 
 def build_assets(folder: Path) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
-    import hf_tiny
-
-    import peagle_jax as pj
-
-    hf_tiny.build("llama-gqa2-tied-llama3", folder / "target")
-    hf_tiny.word_tokenizer(folder / "target")
-    hf_tiny.edit_config(folder / "target", lambda cfg: cfg.update(max_position_embeddings=2048))  # long streams
-    target = pj.load_target(folder / "target", dtype="float32")
-    pj.new_drafter(target, num_layers=1, mode="parallel", seed=1).save(folder / "drafter")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    tiny_assets(folder, max_position_embeddings=2048)  # room for long streams
 
 
 def server_command(server_root: Path, folder: Path, port: int) -> tuple[list[str], set[str]]:
@@ -149,7 +137,6 @@ class Client:
     def raw(self, data: bytes, wait: float = WAIT, pieces: int = 1, gap: float = 0.0) -> tuple[bool, bytes]:
         """(whether the server closed the connection within `wait` s, what it sent)."""
         sock = socket.create_connection(("127.0.0.1", self.port), timeout=wait)
-        got = b""
         try:
             step = max(1, len(data) // pieces)
             for i in range(0, len(data), step):
@@ -158,14 +145,7 @@ class Client:
         except (BrokenPipeError, ConnectionResetError):
             pass  # the server stopped reading: what did it answer?
         try:
-            sock.settimeout(wait)
-            while chunk := sock.recv(65536):
-                got += chunk
-            return True, got
-        except TimeoutError:
-            return False, got
-        except ConnectionResetError:
-            return True, got
+            return closed_within(sock, wait)
         finally:
             sock.close()
 

@@ -20,6 +20,22 @@ from limits import HANG_S
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def tiny_assets(root: Path, max_position_embeddings: int | None = None):
+    """A tiny random target with the word tokenizer (root/target) and a random one-layer P-EAGLE
+    head (root/drafter), as the server tests and the probe serve them; returns the target."""
+    import hf_tiny
+
+    import peagle_jax as pj
+
+    hf_tiny.build("llama-gqa2-tied-llama3", root / "target")
+    hf_tiny.word_tokenizer(root / "target")
+    if max_position_embeddings:  # room for long generations; the weights and rope do not read it
+        hf_tiny.edit_config(root / "target", lambda c: c.update(max_position_embeddings=max_position_embeddings))
+    target = pj.load_target(root / "target", dtype="float32")
+    pj.new_drafter(target, num_layers=1, mode="parallel", seed=1).save(root / "drafter")
+    return target
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,6 +96,20 @@ def connection(server, timeout: float = HANG_S) -> http.client.HTTPConnection:
     if getattr(server, "tls", None) is not None:
         return http.client.HTTPSConnection("127.0.0.1", server.port, timeout=timeout, context=server.tls)
     return http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """(whether the server closed the connection within `seconds`, what it sent first)."""
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+        return True, got
+    except TimeoutError:
+        return False, got
+    except ConnectionResetError:
+        return True, got
 
 
 def request(server, method: str, path: str, body=None, headers=None, timeout: float = HANG_S):

@@ -18,7 +18,7 @@ import hf_tiny
 import numpy as np
 import pytest
 from in_process import run_module
-from serve_support import ServerProcess, request, shown, sse_events, words_to_ids
+from serve_support import ServerProcess, request, shown, sse_events, tiny_assets, words_to_ids
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
@@ -33,12 +33,7 @@ CHAT_IDS = [2, 5, 6, 7, 3, 4]  # the word tokenizer's template: w2 <content> w3 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
-    hf_tiny.build("llama-gqa2-tied-llama3", root / "target")
-    hf_tiny.word_tokenizer(root / "target")
-    # room for long generations (the shutdown test); the weights and rope do not read it
-    hf_tiny.edit_config(root / "target", lambda c: c.update(max_position_embeddings=2048))
-    target = pj.load_target(root / "target", dtype="float32")
-    pj.new_drafter(target, num_layers=1, mode="parallel", seed=1).save(root / "drafter")
+    target = tiny_assets(root, max_position_embeddings=2048)  # room for long generations (the shutdown test)
     return root, target
 
 

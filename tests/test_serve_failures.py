@@ -14,12 +14,9 @@ import subprocess
 import threading
 import time
 
-import hf_tiny
 import pytest
 from in_process import run_module
-from serve_support import ServerProcess, request, sse_events
-
-import peagle_jax as pj
+from serve_support import ServerProcess, request, sse_events, tiny_assets
 
 openai = pytest.importorskip("openai")
 
@@ -29,10 +26,7 @@ ARGV = ["--k", "2", "--max-batch", "2", "--max-len", "128"]  # tests/test_serve_
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-failures")
-    hf_tiny.build("llama-gqa2-tied-llama3", root / "target")
-    hf_tiny.word_tokenizer(root / "target")
-    target = pj.load_target(root / "target", dtype="float32")
-    pj.new_drafter(target, num_layers=1, mode="parallel", seed=1).save(root / "drafter")
+    tiny_assets(root)
     return root
 
 

@@ -10,11 +10,8 @@ protocol: what is accepted, refused and rendered."""
 
 from __future__ import annotations
 
-import hf_tiny
 import pytest
-from serve_support import ServerProcess, request
-
-import peagle_jax as pj
+from serve_support import ServerProcess, request, tiny_assets
 
 openai = pytest.importorskip("openai")
 
@@ -25,10 +22,7 @@ PROMPT = [5, 6, 7, 8]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-fields")
-    hf_tiny.build("llama-gqa2-tied-llama3", root / "target")
-    hf_tiny.word_tokenizer(root / "target")
-    target = pj.load_target(root / "target", dtype="float32")
-    pj.new_drafter(target, num_layers=1, mode="parallel", seed=1).save(root / "drafter")
+    tiny_assets(root)
     argv = ["--target", root / "target", "--drafter", root / "drafter", "--k", K]
     argv += ["--max-batch", SLOTS, "--max-len", MAX_LEN]
     proc = ServerProcess([str(a) for a in argv], root / "server.log", "tiny")

@@ -11,11 +11,9 @@ import json
 import socket
 import time
 
-import hf_tiny
 import pytest
-from serve_support import ServerProcess, request
+from serve_support import ServerProcess, closed_within, request, tiny_assets
 
-import peagle_jax as pj
 from infer.serve.server import open_warning
 
 openai = pytest.importorskip("openai")
@@ -28,10 +26,7 @@ ORIGIN = "https://app.example"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-http")
-    hf_tiny.build("llama-gqa2-tied-llama3", root / "target")
-    hf_tiny.word_tokenizer(root / "target")
-    target = pj.load_target(root / "target", dtype="float32")
-    pj.new_drafter(target, num_layers=1, mode="parallel", seed=1).save(root / "drafter")
+    tiny_assets(root)
     (root / "keys.txt").write_text(f"# one key a line\n\n{KEYS[1]}\n")
     argv = ["--target", root / "target", "--drafter", root / "drafter", "--k", 2, "--max-batch", 2, "--max-len", 128]
     argv += ["--api-key", KEYS[0], "--api-key-file", root / "keys.txt", "--allowed-hosts", "127.0.0.1"]
@@ -56,20 +51,6 @@ def body(**fields) -> dict:
 
 def raw_socket(server) -> socket.socket:
     return socket.create_connection(("127.0.0.1", server.port), timeout=30)
-
-
-def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
-    """(whether the server closed the connection within `seconds`, what it sent first)."""
-    sock.settimeout(seconds)
-    got = b""
-    try:
-        while chunk := sock.recv(65536):
-            got += chunk
-        return True, got
-    except TimeoutError:
-        return False, got
-    except ConnectionResetError:
-        return True, got
 
 
 def log_lines(server, text: str) -> list[str]:

@@ -118,3 +118,17 @@ def test_plain_decoding_has_no_spec_decode_counters():
 )
 def test_request_token_buckets_are_vllms(top, want):
     assert one_two_five(top) == want
+
+
+def test_the_dashboard_reads_only_metrics_the_server_exposes():
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "docs" / "grafana-dashboard.json").read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    names = set(re.findall(r"vllm:[a-z0-9_]+", exprs))
+    exposed = ServerMetrics(k=3, batch=2, model="m", max_len=64).text().decode()
+    assert len(names) >= 10
+    for name in names:
+        assert re.search(rf"^{re.escape(name)}[{{ ]", exposed, re.M), name

@@ -374,67 +374,68 @@ def json_cases(c: Client) -> list[Row]:
     return rows
 
 
+# bad values: (case, the fields put into a valid body, the status expected)
+BAD_COMPLETIONS = [
+    ("model unknown", dict(model="gpt-9"), "404"),
+    ("model of 10,000 characters", dict(model="m" * 10_000), "404"),
+    ("max_tokens 0", dict(max_tokens=0), "400"),
+    ("max_tokens -1", dict(max_tokens=-1), "400"),
+    ("max_tokens 10**9", dict(max_tokens=10**9), "400"),
+    ("max_tokens a string", dict(max_tokens="5"), "4xx"),
+    ("max_tokens 2.5", dict(max_tokens=2.5), "4xx"),
+    ("temperature -1", dict(temperature=-1), "4xx"),
+    ("temperature a string", dict(temperature="hot"), "4xx"),
+    ("top_p 0", dict(top_p=0), "4xx"),
+    ("top_p 1.5", dict(top_p=1.5), "4xx"),
+    ("seed -1", dict(seed=-1), "4xx"),
+    ("seed 2**64", dict(seed=2**64), "4xx"),
+    ("n 0", dict(n=0), "400"),
+    ("n 1000", dict(n=1000), "400"),
+    ("stop: 100 strings", dict(stop=[f"w{i}" for i in range(100)]), "400"),
+    ("stop: 10,000 characters", dict(stop="x" * 10_000), "400"),
+    ("stop: an empty string", dict(stop=[""]), "400"),
+    ("stop a number", dict(stop=5), "4xx"),
+    ("stop_token_ids [-1]", dict(stop_token_ids=[-1]), "400"),
+    ("stop_token_ids [10**6]", dict(stop_token_ids=[10**6]), "400"),
+    ("logit_bias key not a token id", dict(logit_bias={"x": 1}), "400"),
+    ("logit_bias 200", dict(logit_bias={"5": 200}), "4xx"),
+    ("logit_bias token outside the vocabulary", dict(logit_bias={"1000000": 1}), "400"),
+    ("logprobs 100", dict(logprobs=100), "4xx"),
+    ("top_k -5", dict(top_k=-5), "4xx"),
+    ("min_p 2", dict(min_p=2), "4xx"),
+    ("presence_penalty 5", dict(presence_penalty=5), "4xx"),
+    ("repetition_penalty 0", dict(repetition_penalty=0), "4xx"),
+    ("min_tokens > max_tokens", dict(min_tokens=10, max_tokens=2), "400"),
+    ("response_format json_object", dict(response_format={"type": "json_object"}), "400"),
+    ("prompt empty", dict(prompt=""), "400"),
+    ("prompt []", dict(prompt=[]), "400"),
+    ("prompt [[]]", dict(prompt=[[]]), "400"),
+    ("prompt a token outside the vocabulary", dict(prompt=[5, 10**6]), "400"),
+    ("prompt a number", dict(prompt=5), "4xx"),
+    ("prompt null", dict(prompt=None), "4xx"),
+    ("stream a string", dict(stream="yes"), "4xx"),
+    ("stream_options a list", dict(stream_options=[1]), "4xx"),
+]
+BAD_CHATS = [
+    ("messages []", dict(messages=[]), "400"),
+    ("messages a string", dict(messages="w5"), "4xx"),
+    ("role unknown", dict(messages=[{"role": "x", "content": "w5"}]), "4xx"),
+    ("content an image part", dict(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "400"),
+    ("content a number", dict(messages=[{"role": "user", "content": 5}]), "4xx"),
+    ("top_logprobs 50", dict(logprobs=True, top_logprobs=50), "4xx"),
+    ("tools", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "400"),
+    ("max_completion_tokens 0", dict(max_completion_tokens=0), "400"),
+]
+
+
 def field_cases(c: Client) -> list[Row]:
-    b, ch = c.body, c.chat
-    completions = [
-        ("model unknown", b(model="gpt-9"), "404"),
-        ("model of 10,000 characters", b(model="m" * 10_000), "404"),
-        ("max_tokens 0", b(max_tokens=0), "400"),
-        ("max_tokens -1", b(max_tokens=-1), "400"),
-        ("max_tokens 10**9", b(max_tokens=10**9), "400"),
-        ("max_tokens a string", b(max_tokens="5"), "4xx"),
-        ("max_tokens 2.5", b(max_tokens=2.5), "4xx"),
-        ("temperature -1", b(temperature=-1), "4xx"),
-        ("temperature a string", b(temperature="hot"), "4xx"),
-        ("top_p 0", b(top_p=0), "4xx"),
-        ("top_p 1.5", b(top_p=1.5), "4xx"),
-        ("seed -1", b(seed=-1), "4xx"),
-        ("seed 2**64", b(seed=2**64), "4xx"),
-        ("n 0", b(n=0), "400"),
-        ("n 1000", b(n=1000), "400"),
-        ("stop: 100 strings", b(stop=[f"w{i}" for i in range(100)]), "400"),
-        ("stop: 10,000 characters", b(stop="x" * 10_000), "400"),
-        ("stop: an empty string", b(stop=[""]), "400"),
-        ("stop a number", b(stop=5), "4xx"),
-        ("stop_token_ids [-1]", b(stop_token_ids=[-1]), "400"),
-        ("stop_token_ids [10**6]", b(stop_token_ids=[10**6]), "400"),
-        ("logit_bias key not a token id", b(logit_bias={"x": 1}), "400"),
-        ("logit_bias 200", b(logit_bias={"5": 200}), "4xx"),
-        ("logit_bias token outside the vocabulary", b(logit_bias={"1000000": 1}), "400"),
-        ("logprobs 100", b(logprobs=100), "4xx"),
-        ("top_k -5", b(top_k=-5), "4xx"),
-        ("min_p 2", b(min_p=2), "4xx"),
-        ("presence_penalty 5", b(presence_penalty=5), "4xx"),
-        ("repetition_penalty 0", b(repetition_penalty=0), "4xx"),
-        ("min_tokens > max_tokens", b(min_tokens=10, max_tokens=2), "400"),
-        ("response_format json_object", b(response_format={"type": "json_object"}), "400"),
-        ("prompt empty", b(prompt=""), "400"),
-        ("prompt []", b(prompt=[]), "400"),
-        ("prompt [[]]", b(prompt=[[]]), "400"),
-        ("prompt a token outside the vocabulary", b(prompt=[5, 10**6]), "400"),
-        ("prompt a number", b(prompt=5), "4xx"),
-        ("prompt null", b(prompt=None), "4xx"),
-        ("stream a string", b(stream="yes"), "4xx"),
-        ("stream_options a list", b(stream_options=[1]), "4xx"),
-    ]
-    chat = [
-        ("messages []", ch(messages=[]), "400"),
-        ("messages a string", ch(messages="w5"), "4xx"),
-        ("role unknown", ch(messages=[{"role": "x", "content": "w5"}]), "4xx"),
-        (
-            "content an image part",
-            ch(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]),
-            "400",
-        ),
-        ("content a number", ch(messages=[{"role": "user", "content": 5}]), "4xx"),
-        ("top_logprobs 50", ch(logprobs=True, top_logprobs=50), "4xx"),
-        ("tools", ch(tools=[{"type": "function", "function": {"name": "f"}}]), "400"),
-        ("max_completion_tokens 0", ch(max_completion_tokens=0), "400"),
-    ]
     rows = []
-    for path, group in (("/v1/completions", completions), ("/v1/chat/completions", chat)):
-        for case, body, expected in group:
-            got = status_of(c.http("POST", path, body))
+    for path, make, group in (
+        ("/v1/completions", c.body, BAD_COMPLETIONS),
+        ("/v1/chat/completions", c.chat, BAD_CHATS),
+    ):
+        for case, fields, expected in group:
+            got = status_of(c.http("POST", path, make(**fields)))
             rows.append({"case": case, "expected": expected, "got": got, "ok": matches(expected, got)})
     return rows
 

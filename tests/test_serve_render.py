@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from infer.serve import render
@@ -86,7 +87,7 @@ def test_chunks_and_choices_have_openais_fields():
 # ---------------------------------------------------------------- spec-decode counters
 
 
-def counters(m: ServerMetrics) -> tuple:
+def counts(m: ServerMetrics) -> tuple:
     labels = {"model_name": "m", "engine": "0"}
     value = m.registry.get_sample_value
     per_pos = [
@@ -102,9 +103,17 @@ def test_spec_decode_counters_from_round_results():
     m.drafts(emitted=3, rounds=1, done=False)  # positions 0, 1
     m.drafts(emitted=4, rounds=1, done=True)  # all K accepted in its last round: exact
     m.drafts(emitted=2, rounds=1, done=True)  # cut by an eos or the budget: not known, not counted
-    assert counters(m) == (3, 9, 0 + 2 + 3, [2, 2, 1])
+    assert counts(m) == (3, 9, 0 + 2 + 3, [2, 2, 1])
     m.drafts(emitted=7, rounds=3, done=False)  # several rounds: the sums are exact (7 - 3 accepted)
-    assert counters(m)[:3] == (6, 18, 9)
+    assert counts(m)[:3] == (6, 18, 9)
+
+
+def test_spec_decode_counters_from_the_engines_acceptance_histogram():
+    m = ServerMetrics(k=3, batch=2, model="m", max_len=64)
+    m.rounds_accepted([2, 1, 0, 3])  # 6 rounds: two accepted nothing, one 1 draft, three all 3
+    assert counts(m) == (6, 18, 1 + 9, [4, 3, 3])
+    m.rounds_accepted(np.array([0, 0, 1, 0]))
+    assert counts(m) == (7, 21, 12, [5, 4, 3])
 
 
 def test_plain_decoding_has_no_spec_decode_counters():

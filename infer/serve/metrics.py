@@ -128,7 +128,21 @@ class ServerMetrics:
         if rounds == 1:
             for pos in range(emitted - 1):
                 v.accepted_per_pos[pos].inc()
-        # TODO(engine): per-position counts of a step of several rounds (--rounds-per-step > 1) need the engine's per-round acceptance
+        # TODO(engine): per-position counts of a step of several rounds (--rounds-per-step > 1): `rounds_accepted`
+
+    def rounds_accepted(self, histogram) -> None:
+        """One slot's step as the engine counts it: `histogram[n]` rounds accepted n drafts
+        (n = 0..K). Exact whatever the rounds per step: position p was accepted in every round
+        that accepted more than p drafts."""
+        if not self.k:
+            return
+        counts = [int(c) for c in histogram]
+        v = self.vllm
+        v.drafts.inc(sum(counts))
+        v.draft_tokens.inc(sum(counts) * self.k)
+        v.accepted.inc(sum(n * c for n, c in enumerate(counts)))
+        for pos in range(self.k):
+            v.accepted_per_pos[pos].inc(sum(counts[pos + 1 :]))
 
 
 class _VllmMetrics:

@@ -191,7 +191,7 @@ class Scheduler:
             while self._next():
                 pass
         except BaseException as err:  # noqa: BLE001 - a device failure: every request ends, /health says so
-            failed = Failed(f"the device failed ({cause(err)}); the server stops", 503)
+            failed = Failed(f"the device failed ({cause(err)})", 503)
             log.error("the device loop failed: %s", cause(err))
             self.failure = err
         with self._wake:

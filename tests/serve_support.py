@@ -20,6 +20,22 @@ from limits import HANG_S
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def tiny_assets(root: Path, max_position_embeddings: int | None = None):
+    """A tiny random target with the word tokenizer (root/target) and a random one-layer P-EAGLE
+    head (root/drafter), as the server tests and the probe serve them; returns the target."""
+    import hf_tiny
+
+    import peagle_jax as pj
+
+    hf_tiny.build("llama-gqa2-tied-llama3", root / "target")
+    hf_tiny.word_tokenizer(root / "target")
+    if max_position_embeddings:  # room for long generations; the weights and rope do not read it
+        hf_tiny.edit_config(root / "target", lambda c: c.update(max_position_embeddings=max_position_embeddings))
+    target = pj.load_target(root / "target", dtype="float32")
+    pj.new_drafter(target, num_layers=1, mode="parallel", seed=1).save(root / "drafter")
+    return target
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -27,18 +43,24 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, argv: list[str], log: Path, model: str):
-        self.port, self.model, self.log = free_port(), model, log
+    """`model`: the --served-model-name (None: the server's default); `env`: extra environment;
+    `tls`: an ssl.SSLContext trusting the server's certificate (it speaks HTTPS); `headers`: sent
+    with every `request` (an API key)."""
+
+    def __init__(self, argv: list[str], log: Path, model: str | None, env=None, tls=None, headers=None):
+        self.port, self.model, self.log, self.tls = free_port(), model, log, tls
+        self.headers = dict(headers or {})
         cmd = [sys.executable, "-m", "infer", "serve", *argv, "--port", str(self.port)]
-        cmd += ["--served-model-name", model]
+        if model is not None:
+            cmd += ["--served-model-name", model]
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=dict(os.environ)
+            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env={**os.environ, **(env or {})}
         )
         self.wait_ready()
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def wait_ready(self) -> None:
         deadline = time.monotonic() + HANG_S
@@ -70,12 +92,34 @@ class ServerProcess:
         raise KeyError(f"{name} not in /metrics")
 
 
+def connection(server, timeout: float = HANG_S) -> http.client.HTTPConnection:
+    if getattr(server, "tls", None) is not None:
+        return http.client.HTTPSConnection("127.0.0.1", server.port, timeout=timeout, context=server.tls)
+    return http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+
+
+def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
+    """(whether the server closed the connection within `seconds`, what it sent first)."""
+    sock.settimeout(seconds)
+    got = b""
+    try:
+        while chunk := sock.recv(65536):
+            got += chunk
+        return True, got
+    except TimeoutError:
+        return False, got
+    except ConnectionResetError:
+        return True, got
+
+
 def request(server, method: str, path: str, body=None, headers=None, timeout: float = HANG_S):
-    """(status, headers, text) of one plain HTTP request; a dict body is sent as JSON."""
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    """(status, headers, text) of one HTTP request (the server's own headers, then `headers`);
+    a dict body is sent as JSON."""
+    conn = connection(server, timeout)
     try:
         data = json.dumps(body).encode() if isinstance(body, dict) else body
-        conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+        sent = {"Content-Type": "application/json", **getattr(server, "headers", {}), **(headers or {})}
+        conn.request(method, path, body=data, headers=sent)
         resp = conn.getresponse()
         return resp.status, dict(resp.getheaders()), resp.read().decode()
     finally:

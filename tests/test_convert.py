@@ -450,7 +450,7 @@ def test_export_prints_the_serve_command(fmt, mode, k_train, want_k, tmp_path, c
         want["parallel_drafting"] = True
     assert spec == want
     assert tail == ""
-    ours = f"serve: python -m infer generate --target TARGET --drafter {folder} --k {want_k} --prompt TEXT"
+    ours = f"serve: python -m infer serve --target TARGET --drafter {folder} --k {want_k}"
     assert [x for x in out.splitlines() if x.startswith("serve: ")][1:] == [ours]
     notes = [x for x in out.splitlines() if "vLLM 0.34 and later refuse P-EAGLE heads" in x]
     assert len(notes) == (mode == "parallel"), out

@@ -164,7 +164,7 @@ def test_train_end_to_end_by_hub_ids(warm, stand_in, tmp_path):
         f'pip install "vllm>=0.16,<0.34" && {summary["serve"]}',
         summary["serve_lines"][1],
     ]
-    assert summary["serve_lines"][1].startswith(f"python -m infer generate --target {TARGET} --drafter ")
+    assert summary["serve_lines"][1].startswith(f"python -m infer serve --target {TARGET} --drafter ")
     assert "vLLM 0.34 and later refuse P-EAGLE heads" in summary["serve_note"]
     assert [x for x in r.stdout.splitlines() if x.startswith("serve: ")] == [
         f"serve: {x}" for x in summary["serve_lines"]

@@ -38,3 +38,28 @@ def test_text_as_one_decode_cut_before_the_first_stop(stops, step):
     cuts = [TEXT.find(s) for s in stops if s in TEXT]
     assert text == (TEXT[: min(cuts)] if cuts else TEXT)
     assert stopped == bool(cuts)
+
+
+@pytest.mark.parametrize("step", [1, 3, 64])
+def test_include_stop_str_in_output_ends_the_text_after_the_stop(step):
+    ids, stream, pieces = list(TEXT.encode()), TextStream(Bytes(), ["東京", "straße"], include_stop=True), []
+    for i in range(0, len(ids), step):
+        pieces.append(stream.add(ids[i : i + step]))
+        if stream.stopped:
+            break
+    assert "".join(pieces) == TEXT[: TEXT.find("straße") + len("straße")] and stream.stopped
+
+
+class Marked:
+    """Bytes, with 0 a special token shown as <s> unless skipped."""
+
+    @staticmethod
+    def decode(ids, skip_special_tokens=True):
+        parts = [b"" if t == 0 and skip_special_tokens else (b"<s>" if t == 0 else bytes([t])) for t in ids]
+        return b"".join(parts).decode("utf-8", errors="replace")
+
+
+@pytest.mark.parametrize("skip, text", [(True, "ab"), (False, "a<s>b<s>")])
+def test_skip_special_tokens(skip, text):
+    stream = TextStream(Marked(), [], skip_special=skip)
+    assert stream.add([97, 0, 98]) + stream.add([0]) + stream.finish() == text

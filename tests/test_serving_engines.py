@@ -59,11 +59,11 @@ def test_serve_lines_pin_a_peagle_head_and_name_this_engine():
     par = serve_lines("/h", "parallel", 5, "llama", "org/t")
     assert par[0].startswith('pip install "vllm>=0.16,<0.34" && vllm serve org/t --speculative-config ')
     assert json.loads(par[0].split("'")[1])["parallel_drafting"] is True
-    assert par[1] == "python -m infer generate --target org/t --drafter /h --k 5 --prompt TEXT"
+    assert par[1] == "python -m infer serve --target org/t --drafter /h --k 5"
     chain = serve_lines("/h", "chain", 10, "qwen3")
-    assert chain[0].startswith("vllm serve TARGET ") and "--k 7 " in chain[1]  # capped at SERVE_K
+    assert chain[0].startswith("vllm serve TARGET ") and chain[1].endswith(" --k 7")  # capped at SERVE_K
     dflash = serve_lines("/h", "dflash", 15, "qwen3")
-    assert json.loads(dflash[0].split("'")[1])["method"] == "dflash" and "--k 15 " in dflash[1]
+    assert json.loads(dflash[0].split("'")[1])["method"] == "dflash" and dflash[1].endswith(" --k 15")
 
 
 @pytest.mark.parametrize(
@@ -91,7 +91,7 @@ def test_inspect_checks_serving_with_the_release_asked_for(heads, capsys, versio
         assert says in out, out
     if mode == "parallel":
         assert '  serve        pip install "vllm>=0.16,<0.34" && vllm serve TARGET' in out, out
-        assert "python -m infer generate --target TARGET --drafter " in out
+        assert "python -m infer serve --target TARGET --drafter " in out
 
 
 def test_inspect_rejects_a_version_that_is_none(heads, capsys):

@@ -267,7 +267,7 @@ def test_the_end_line_names_the_training_batches_acceptance_beside_the_held_out_
         heldout={"eval_loss": 1.0, "eval_sim_tau": 1.23},
         data={"heldout": 4},
         serve="vllm serve T",
-        serve_lines=['pip install "vllm>=0.16,<0.34" && vllm serve T', "python -m infer generate --target T"],
+        serve_lines=['pip install "vllm>=0.16,<0.34" && vllm serve T', "python -m infer serve --target T"],
         serve_note="vLLM 0.34 and later refuse P-EAGLE heads",
     )
     with mock.patch("train.loop.run", lambda cfg, hooks=(): summary):
@@ -277,7 +277,7 @@ def test_the_end_line_names_the_training_batches_acceptance_beside_the_held_out_
     assert out.splitlines()[-3:] == [
         "note: vLLM 0.34 and later refuse P-EAGLE heads",
         'serve: pip install "vllm>=0.16,<0.34" && vllm serve T',
-        "serve: python -m infer generate --target T",
+        "serve: python -m infer serve --target T",
     ]
     rounds = {"k": 7, "conversations": 4, "per_anchor": 1.31, "per_anchor_se": 0.02, "per_round": 1.19}
     summary["heldout_rounds"] = rounds | {"per_round_se": 0.03, "rounds": 120}

@@ -9,6 +9,7 @@ from infer.flags import add_model_flags
 from peagle_jax.cli import number_type, positive_int
 
 port_number = number_type(int, 0, 65535, "a port number in [0, 65535]")
+seconds = number_type(float, 0.1, 86400.0, "seconds in [0.1, 86400]")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +33,68 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port_number, default=8000, help="port to listen on")
-    p.add_argument("--served-model-name", metavar="NAME", help="the model name clients send (default: --target)")
+    p.add_argument(
+        "--served-model-name", metavar="NAME", help="the model name clients send (default: the target folder's name)"
+    )
+    _access_args(p)
+    _limit_args(p)
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="refuse request fields the server does not know (422; default: ignored, named in a warning)",
+    )
+    p.add_argument(
+        "--on-device-failure",
+        choices=["exit", "stay"],
+        default="exit",
+        help="when the device loop fails: exit non-zero (a supervisor restarts the server), or stay up answering 503",
+    )
+
+
+def _access_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        action="append",
+        help="a key clients must send (Authorization: Bearer KEY) on /v1/*; repeat for several "
+        "(also PEAGLE_API_KEY, --api-key-file; a key on the command line shows in the process list)",
+    )
+    p.add_argument(
+        "--api-key-file", metavar="FILE", help="a file of keys, one a line (# comments and blank lines ignored)"
+    )
+    p.add_argument(
+        "--probes-need-key", action="store_true", help="/health and /metrics need the key too (default: open)"
+    )
+    p.add_argument(
+        "--ssl-keyfile", metavar="FILE", help="TLS private key (PEM); with --ssl-certfile the server speaks HTTPS"
+    )
+    p.add_argument("--ssl-certfile", metavar="FILE", help="TLS certificate chain (PEM)")
+    p.add_argument(
+        "--allowed-origins",
+        metavar="ORIGIN",
+        action="append",
+        help="browser origins allowed to call the API (CORS; repeat, or * for any; default: none, CORS off)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        metavar="HOST",
+        action="append",
+        help="Host header names the server answers (repeat; default: any): guards a loopback server from DNS rebinding",
+    )
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body (413)")
+    p.add_argument("--max-header-bytes", type=positive_int, default=16 << 10, help="largest request head (400)")
+    p.add_argument(
+        "--client-timeout",
+        type=seconds,
+        default=30.0,
+        help="seconds a client has to send a request's head, then its body (an idle connection is closed; a slow body: 408)",
+    )
+    p.add_argument(
+        "--max-connections", type=positive_int, default=512, help="open connections before new requests get 503"
+    )
 
 
 def run_serve(args) -> int:

@@ -5,6 +5,15 @@ prefilled alone, then inserted), releases the slots of cancelled ones, runs one 
 slot, and hands each request the tokens it gained. A request leaves its slot the round it ends:
 an eos id or stop token id, its token budget, or a cancel (a stop string seen by the HTTP side,
 a client gone). The HTTP side only submits, cancels and reads events (`Job.emit`).
+
+Failures: an exception in one request's own work (its prefill) ends that request with
+`Failed(..., 500)` and the loop goes on; an exception anywhere else (a step, an insert: the
+device state every slot shares) ends every request with `Failed(..., 503)`, logs one line and
+stops the loop (`on_failure` is called: the server exits, or stays up answering 503). A stop
+(`begin_shutdown`) ends every request with `Failed("the server is shutting down", 503)`.
+
+For tests only: PEAGLE_SERVE_FAULT=prefill:N or step:N, or both (read at start), makes the Nth
+prefill or the Nth step raise, so that both failure paths can be driven through the real process.
 """
 
 from __future__ import annotations
@@ -12,13 +21,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import threading
 import time
+import traceback
 from collections.abc import Callable
 
 from peagle_jax.engine.sampling import SamplingParams, row_key, stop_ids
 
 log = logging.getLogger("infer.serve")
+FAULT_ENV = "PEAGLE_SERVE_FAULT"
+SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +85,10 @@ class Job:
     stops: frozenset[int] = frozenset()  # the ids that end it (`sampling.stop_ids`); set on submit
     arrived: float = dataclasses.field(default_factory=time.perf_counter)
     cancelled: bool = False
+    cancel_reason: str = "abort"  # for the metrics: "stop" (a stop string) or "abort" (a client gone)
     generated: int = 0
+    admitted: float = 0.0  # when its prefill began
+    last_tokens: float = 0.0  # when it last gained tokens (inter-token latency)
 
 
 class QueueFull(Exception):
@@ -83,9 +99,41 @@ class Closed(Exception):
     """The server is shutting down."""
 
 
+def cause(err: BaseException) -> str:
+    """An exception as one line: its type, message and the line of code that raised it."""
+    where = traceback.extract_tb(err.__traceback__)[-1:] if err.__traceback__ else []
+    at = f" (at {os.path.basename(where[0].filename)}:{where[0].lineno})" if where else ""
+    return f"{type(err).__name__}: {' '.join(str(err).split())[:300]}{at}"
+
+
+class Faults:
+    """For tests only: `PEAGLE_SERVE_FAULT=prefill:N` / `step:N` (or both, comma separated) makes
+    the Nth prefill / step raise (N >= 1), so that the tests drive a request's failure and the
+    device's through the real process. Unset in production: `hit` only counts."""
+
+    KINDS = ("prefill", "step")
+
+    def __init__(self, spec: str | None):
+        self.at, self.counts = {}, dict.fromkeys(self.KINDS, 0)
+        for part in (spec or "").split(","):
+            if not part:
+                continue
+            kind, _, n = part.partition(":")
+            if kind not in self.KINDS or not n.isdigit() or int(n) < 1:
+                raise ValueError(f"{FAULT_ENV}={spec!r}: expected prefill:N, step:N or both, comma separated (N >= 1)")
+            self.at[kind] = int(n)
+
+    def hit(self, kind: str) -> None:
+        self.counts[kind] += 1
+        if self.at.get(kind) == self.counts[kind]:
+            raise RuntimeError(f"injected fault ({FAULT_ENV}: {kind} {self.counts[kind]})")
+
+
 class Scheduler:
-    def __init__(self, slots, max_queue: int, metrics):
+    def __init__(self, slots, max_queue: int, metrics, on_failure: Callable[[BaseException], None] | None = None):
         self.slots, self.max_queue, self.metrics = slots, int(max_queue), metrics
+        self.on_failure = on_failure  # called from the device thread once the loop has failed
+        self.faults = Faults(os.environ.get(FAULT_ENV))
         self._pending: collections.deque[Job] = collections.deque()
         self._admitting: list[Job] = []  # taken from the queue, not yet in a slot
         self._wake = threading.Condition()
@@ -98,26 +146,31 @@ class Scheduler:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
+    def submit(self, *jobs: Job) -> None:
+        """Queues the jobs of one request, all or none."""
         with self._wake:
+            if self.failure is not None:
+                raise Closed("the device failed; this server serves nothing until it is restarted")
             if self._closing:
-                raise Closed("the server is shutting down")
-            if len(self._pending) >= self.max_queue:
-                raise QueueFull(f"all {self.slots.batch} slots are busy and {self.max_queue} requests wait")
-            job.stops = frozenset(stop_ids(job.params, self.slots.engine.eos_ids))
-            self._pending.append(job)
-            self.metrics.queue.set(len(self._pending))
+                raise Closed(SHUTTING_DOWN)
+            if len(self._pending) + len(jobs) > self.max_queue:
+                raise QueueFull(f"all {self.slots.batch} slots are busy and {len(self._pending)} requests wait")
+            for job in jobs:
+                job.stops = frozenset(stop_ids(job.params, self.slots.engine.eos_ids))
+            self._pending.extend(jobs)
+            self.metrics.waiting(len(self._pending))
             self._wake.notify()
 
-    def cancel(self, job: Job) -> None:
-        """The job's slot is freed before the next round (no event follows)."""
+    def cancel(self, job: Job, reason: str = "abort") -> None:
+        """The job's slot is freed before the next round (no event follows). `reason`, for the
+        metrics: "stop" (a stop string ended it), "abort" (its client went away)."""
         with self._wake:
-            job.cancelled = True
+            job.cancelled, job.cancel_reason = True, reason
             self._wake.notify()
 
     def begin_shutdown(self) -> None:
         """New requests are refused; the loop ends every waiting and running one with
-        Finished("abort") and stops (returns at once: a signal handler calls it)."""
+        Failed(SHUTTING_DOWN, 503) and stops (returns at once: a signal handler calls it)."""
         with self._wake:
             self._closing = True
             self._wake.notify()
@@ -135,20 +188,24 @@ class Scheduler:
     # ------------------------------------------------------------ the device thread
 
     def _loop(self) -> None:
+        failed = None
         try:
             while self._next():
                 pass
-        except BaseException as err:  # a device failure: every request ends, /health says so
+        except BaseException as err:  # noqa: BLE001 - a device failure: every request ends, /health says so
+            failed = Failed(f"the device failed ({cause(err)})", 503)
+            log.error("the device loop failed: %s", cause(err))
             self.failure = err
-            log.exception("the device loop failed")
         with self._wake:
             self._closing = True
             jobs = self._admitting + list(self._pending) + list(self.slots.holders.values())
             self._admitting = []
             self._pending.clear()
         for job in jobs:
-            self._end(job, "abort")
+            self._fail(job, failed or Failed(SHUTTING_DOWN, 503))
         self._gauges()
+        if self.failure is not None and self.on_failure is not None:
+            self.on_failure(self.failure)
 
     def _next(self) -> bool:
         """One step: admissions, releases, a step of rounds. False once closing."""
@@ -162,7 +219,7 @@ class Scheduler:
         while self._admitting:
             job = self._admitting[0]
             if job.cancelled:
-                self.metrics.finished.labels("cancelled").inc()
+                self.metrics.cancelled(job)
             else:
                 self._admit(job, free)
             self._admitting.pop(0)
@@ -174,27 +231,30 @@ class Scheduler:
         return True
 
     def _admit(self, job: Job, free: list[int]) -> None:
-        if job.prompt_logprobs is not None:
-            job.emit(
-                PromptLogprobs(
-                    [None, *map(_token_logprob, self.slots.engine.prompt_logprobs(job.ids, job.prompt_logprobs))]
-                )
-            )
-        key = row_key(job.params.seed, job.choice)
-        prefilled = self.slots.prefill([(job.ids, job.params, key)], [job])
-        self.metrics.prompt_tokens.inc(len(job.ids))
-        self.metrics.ttft.observe(time.perf_counter() - job.arrived)
+        job.admitted = time.perf_counter()
+        try:  # the request's own work: its failure is the request's alone
+            self.faults.hit("prefill")
+            if job.prompt_logprobs is not None:
+                entries = self.slots.engine.prompt_logprobs(job.ids, job.prompt_logprobs)
+                job.emit(PromptLogprobs([None, *(TokenLogprob(lp, tuple(top)) for lp, top in entries)]))
+            prefilled = self.slots.prefill([(job.ids, job.params, row_key(job.params.seed, job.choice))], [job])
+        except Exception as err:  # noqa: BLE001 - any failure here ends this request, not the server
+            log.error("a request failed in its prefill (%d prompt tokens): %s", len(job.ids), cause(err))
+            self._fail(job, Failed(f"the request failed in its prefill ({cause(err)})", 500))
+            return
+        self.metrics.first_token(job)
         if self._deliver(prefilled.news[0]):
             return
         self.slots.insert(prefilled, [free.pop(0)])
 
     def _release_cancelled(self) -> None:
         gone = [slot for slot, job in self.slots.holders.items() if job.cancelled]
-        for _ in gone:
-            self.metrics.finished.labels("cancelled").inc()
+        for slot in gone:
+            self.metrics.cancelled(self.slots.holders[slot])
         self.slots.release(gone)
 
     def _step(self) -> None:
+        self.faults.hit("step")
         news = self.slots.step()
         rounds = max((n.rounds for n in news), default=0)
         self.metrics.rounds.inc(rounds)
@@ -203,6 +263,7 @@ class Scheduler:
             gained += len(n.ids)
             if n.rounds:
                 self.metrics.acceptance.observe(len(n.ids) / n.rounds)
+                self.metrics.rounds_accepted(n.accepted)
             if self._deliver(n) and not n.done:  # cancelled meanwhile: its row still runs
                 self.slots.release([s for s, job in self.slots.holders.items() if job is n.holder])
         if rounds:
@@ -212,11 +273,11 @@ class Scheduler:
         """Sends a job its new tokens; True when it has ended (a stop or eos id, its budget, a cancel)."""
         job: Job = news.holder
         if job.cancelled:
-            self.metrics.finished.labels("cancelled").inc()
+            self.metrics.cancelled(job)
             return True
         ids = news.ids
         job.generated += len(ids)
-        self.metrics.generated.inc(len(ids))
+        self.metrics.tokens(job, len(ids))
         stopped = news.done and bool(ids) and ids[-1] in job.stops
         kept = ids[:-1] if stopped else ids
         if kept:
@@ -226,17 +287,16 @@ class Scheduler:
         return news.done
 
     def _end(self, job: Job, reason: str) -> None:
-        self.metrics.finished.labels(reason).inc()
+        self.metrics.finished(job, reason)
         job.emit(Finished(reason, job.generated))
 
+    def _fail(self, job: Job, failure: Failed) -> None:
+        self.metrics.finished(job, "failed")
+        job.emit(failure)
+
     def _gauges(self) -> None:
-        self.metrics.queue.set(len(self._pending))
-        self.metrics.slots.set(len(self.slots.holders))
-
-
-def _token_logprob(entry) -> TokenLogprob:
-    logprob, top = entry
-    return TokenLogprob(logprob, tuple(top))
+        self.metrics.waiting(len(self._pending))
+        self.metrics.running(len(self.slots.holders))
 
 
 def _logprobs(news, job: Job, count: int) -> list[TokenLogprob] | None:

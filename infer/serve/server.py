@@ -1,32 +1,105 @@
 """The server's start and stop.
 
-Start: load the target and head, build the slots, compile the steps (one per row count), the
-insert and the first prompt bucket (the other buckets compile on their first request), then listen. Stop (SIGINT or
-SIGTERM): refuse new requests, end the ones in flight with a last event (finish reason "abort"),
-close the connections, exit 0.
+Start: check the flags (keys, TLS, limits), load the target and head, build the slots (a size
+the device cannot hold is one line naming --max-batch x --max-len and the plan command that
+sizes them), compile the steps (one per row count), the insert and the first prompt bucket (the
+other buckets compile on their first request), then listen (a warning line when the address is
+beyond loopback and no key is set). Stop (SIGINT or SIGTERM): refuse new requests, end the ones
+in flight with an error event (503 "the server is shutting down"), close the connections, exit
+0. A device failure: every request ends with an error, the process exits 1 within seconds
+(`--on-device-failure exit`), or stays up answering 503 (`stay`) until it is stopped (exit 1).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import ipaddress
+import logging
+import os
 import signal
 import sys
+import threading
 import time
+from pathlib import Path
 
+import jax
+import prometheus_client
 import uvicorn
 
 from infer.load import load_head, load_target
-from infer.serve.app import Served, create_app
+from infer.serve.app import create_app
+from infer.serve.guard import Access, Limits, timed_h11
+from infer.serve.jobs import Served
 from infer.serve.metrics import ServerMetrics
 from infer.serve.scheduler import Scheduler
 from peagle_jax.cli import UsageError
 from peagle_jax.engine import Engine, SamplingParams, Slots, row_key
 
 GRACE_S = 5  # how long open connections may take to close once a stop was asked for
+EXIT_DEADLINE_S = GRACE_S + 10  # a failed device: the process is gone by then, whatever hangs
+KEY_ENV = "PEAGLE_API_KEY"
+TOKENIZER_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 def status(message: str) -> None:
     print(f"[infer] {message}", file=sys.stderr, flush=True)
+
+
+def model_name(target: str) -> str:
+    """The model id clients send: a target folder's name (never its path), or a Hub id as given."""
+    path = Path(target)
+    return path.resolve().name if path.is_dir() else str(target)
+
+
+def api_keys(args) -> tuple[bytes, ...]:
+    """The keys of --api-key, PEAGLE_API_KEY and --api-key-file (never echoed in an error)."""
+    keys = list(args.api_key or [])
+    if os.environ.get(KEY_ENV):
+        keys.append(os.environ[KEY_ENV])
+    if args.api_key_file:
+        try:
+            lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            raise ValueError(f"--api-key-file {args.api_key_file}: cannot be read ({type(err).__name__})") from None
+        found = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not found:
+            raise ValueError(f"--api-key-file {args.api_key_file}: no key in it")
+        keys += found
+    for key in keys:
+        if not (key.isascii() and key.isprintable()) or " " in key:
+            raise UsageError("an API key must be printable ASCII without spaces (the key itself is not shown)")
+    return tuple(k.encode() for k in keys)
+
+
+def settings(args) -> tuple[Access, Limits]:
+    """The access rules and limits of the flags (UsageError for a combination that cannot work)."""
+    if bool(args.ssl_keyfile) != bool(args.ssl_certfile):
+        raise UsageError("--ssl-keyfile and --ssl-certfile go together (TLS needs both)")
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        path = getattr(args, flag)
+        if path and not Path(path).is_file():
+            raise UsageError(f"--{flag.replace('_', '-')} {path}: no such file")
+    keys = api_keys(args)
+    if args.probes_need_key and not keys:
+        raise UsageError("--probes-need-key needs a key (--api-key, --api-key-file or PEAGLE_API_KEY)")
+    hosts = tuple(h.lower() for h in args.allowed_hosts or ())
+    access = Access(keys, open_probes=not args.probes_need_key, hosts=hosts)
+    return access, Limits(args.max_body_bytes, args.client_timeout, args.max_header_bytes, args.max_connections)
+
+
+def open_warning(host: str, keys) -> str | None:
+    """The warning line of a server that anyone beyond this machine may reach and use."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback or keys:
+        return None
+    return (
+        f"warning: listening on {host} without an API key: anyone who reaches the port can generate "
+        f"(--api-key, --api-key-file or {KEY_ENV})"
+    )
 
 
 def build(args):
@@ -38,19 +111,35 @@ def build(args):
     drafter = None if args.mode == "none" else load_head(args.drafter, target, args.mode or "parallel")
     mode = args.mode or drafter.config.mode
     engine = Engine(target, drafter, k=args.k, mode=mode, deep_k=args.deep_k)
-    slots = Slots(engine, args.max_batch, args.max_len, args.rounds_per_step)
+    slots = allocate(args, engine)
     if slots.max_new_tokens(1) < 1:
         raise UsageError(f"--max-len {args.max_len}: a slot cannot hold a 1-token prompt and one round of k={args.k}")
-    scheduler = Scheduler(slots, args.max_queue, ServerMetrics(engine.k, slots.batch))
+    name = args.served_model_name or model_name(args.target)
+    scheduler = Scheduler(slots, args.max_queue, ServerMetrics(engine.k, slots.batch, name, slots.length))
     status(
         f"loaded in {time.perf_counter() - t0:.1f}s; compiling the steps, the insert and the first prompt bucket ..."
     )
     t0 = time.perf_counter()
     warm_up(slots)
     status(f"compiled in {time.perf_counter() - t0:.1f}s")
-    name = args.served_model_name or args.target
-    served = Served(scheduler, target.tokenizer, name, target.config.vocab_size, slots.length)
+    served = Served(scheduler, target.tokenizer, name, target.config.vocab_size, slots.length, strict=args.strict)
     return served, scheduler
+
+
+def allocate(args, engine: Engine) -> Slots:
+    """The slots, or one line naming the flags that size them when the device cannot hold them."""
+    try:
+        slots = Slots(engine, args.max_batch, args.max_len, args.rounds_per_step)
+        jax.block_until_ready(slots.state)  # the allocation fails here, not at the first request
+        return slots
+    except Exception as err:  # noqa: BLE001 - XLA's out-of-memory is a RuntimeError subclass of its own
+        if not isinstance(err, MemoryError) and "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        raise RuntimeError(
+            f"--max-batch {args.max_batch} x --max-len {args.max_len}: the slots' KV caches do not fit this device "
+            f"({type(err).__name__}); lower them, or size them with: python -m peagle_jax.plan --target {args.target} "
+            f"--device DEVICE --job server --batch {args.max_batch} --cache-len {args.max_len}"
+        ) from None
 
 
 def warm_up(slots: Slots) -> None:
@@ -64,41 +153,76 @@ def warm_up(slots: Slots) -> None:
 
 
 def serve(args) -> int:
+    access, limits = settings(args)
+    _log_lines()
     served, scheduler = build(args)
+    served.pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     config = uvicorn.Config(
-        create_app(served),
+        create_app(served, access, limits, tuple(args.allowed_origins or ())),
         host=args.host,
         port=args.port,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=GRACE_S,
         lifespan="off",
+        http=timed_h11(limits.client_timeout),
+        h11_max_incomplete_event_size=limits.max_header,
+        limit_concurrency=limits.max_connections,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
     )
     server = StoppingServer(config)
     server.scheduler = scheduler
+    if args.on_device_failure == "exit":
+        scheduler.on_failure = server.device_failed
     scheduler.start()
+    scheme = "https" if args.ssl_certfile else "http"
     status(
-        f"serving {served.model!r} on http://{args.host}:{args.port} ({scheduler.slots.batch} slots x "
+        f"serving {served.model!r} on {scheme}://{args.host}:{args.port} ({scheduler.slots.batch} slots x "
         f"{scheduler.slots.length} positions, k={scheduler.slots.engine.k}, mode {scheduler.slots.engine.mode})"
     )
+    warning = open_warning(args.host, access.keys)
+    if warning:
+        status(warning)
     try:
         server.run()
     finally:
         scheduler.shutdown()
+        served.pool.shutdown(wait=False, cancel_futures=True)
+    if scheduler.failure is not None:
+        status("stopped: the device failed (exit 1)")
+        return 1
     status("stopped")
     return 0
 
 
+def _log_lines() -> None:
+    """The server's log lines beside its status lines: `[infer] WARNING: ...` on stderr."""
+    log = logging.getLogger("infer.serve")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[infer] %(levelname)s: %(message)s"))
+    log.handlers[:] = [handler]
+    log.propagate = False
+    prometheus_client.disable_created_metrics()  # /metrics without a *_created series per counter
+
+
 class StoppingServer(uvicorn.Server):
-    """uvicorn's server whose stop signals also end the requests in flight, and which exits
-    quietly: uvicorn re-raises a caught signal once it has shut down; here a stop asked for is
-    the normal end (exit 0)."""
+    """uvicorn's server whose stop signals also end the requests in flight, which stops when the
+    device fails (`device_failed`), and which exits quietly: uvicorn re-raises a caught signal
+    once it has shut down; here a stop asked for is the normal end (exit 0)."""
 
     scheduler: Scheduler
 
     def handle_exit(self, sig, frame):
         self.scheduler.begin_shutdown()
         super().handle_exit(sig, frame)
+
+    def device_failed(self, _err: BaseException) -> None:
+        """From the device thread: stop serving; the process is gone within EXIT_DEADLINE_S."""
+        self.should_exit = True
+        watchdog = threading.Timer(EXIT_DEADLINE_S, os._exit, (1,))
+        watchdog.daemon = True
+        watchdog.start()
 
     @contextlib.contextmanager
     def capture_signals(self):

@@ -5,7 +5,10 @@ step's, with the step before as context (a tokenizer may render a token differen
 of a text), so a long generation costs linear time, not quadratic. A token may end inside a
 multi-byte character (the decoder shows U+FFFD until the next token completes it): its text waits
 for the next step. A stop string may be split over steps, so the tail that could begin one is
-held back; a stop string found ends the text just before it (it is never sent, as OpenAI does).
+held back; a stop string found ends the text just before it (it is never sent, as OpenAI does),
+or just after it (`include_stop`, vLLM's include_stop_str_in_output). Special tokens (eos, a
+template's markers) are left out of the text unless `skip_special=False` (vLLM's
+skip_special_tokens).
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer, stops: list[str]):
+    def __init__(self, tokenizer, stops: list[str], skip_special: bool = True, include_stop: bool = False):
         self.tokenizer, self.stops = tokenizer, stops
+        self.skip_special, self.include_stop = skip_special, include_stop
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
         self.prefix_offset = self.read_offset = 0  # the context tokens, the tokens already in `text`
@@ -24,7 +28,7 @@ class TextStream:
         self.stopped = False  # a stop string was found: nothing more is sent
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special)
 
     def _advance(self, final: bool) -> None:
         """Appends the text of the tokens not yet decoded (unless it ends mid-character)."""
@@ -35,9 +39,13 @@ class TextStream:
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
     def _stop_at(self) -> int | None:
+        """Where the text ends at the first stop string (before it, or after it: include_stop)."""
         start = max(0, self.sent - self.hold)
-        found = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        return min(found) if found else None
+        found = [(i, len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
+        if not found:
+            return None
+        at, length = min(found)
+        return at + length if self.include_stop else at
 
     def add(self, ids: list[int]) -> str:
         """The new text these tokens make sendable."""

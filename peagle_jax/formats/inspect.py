@@ -195,7 +195,7 @@ def _check_release(version: tuple[int, int], mode: str, fmt: str, fnd: _Findings
         plain = " (exported --as eagle3 it loads, and drafts one token at a time)" if version >= FIRST_PARALLEL else ""
         fnd.problem(
             f"vLLM {v} refuses {HEAD_KINDS[mode]} heads: {refusal}{plain}; serve it with {serving_vllm(mode)}, "
-            "or with this project's engine (python -m infer generate)"
+            "or with this project's server (python -m infer serve)"
         )
     elif version > NEWEST_VLLM:
         fnd.note(

@@ -6,7 +6,7 @@
 transformers` for target families whose native vLLM model captures no aux hidden states.
 `serve_lines` is the one builder of what the converter, the lint and the trainer print: that
 command (for a P-EAGLE head pinned to the vLLM releases that serve it, `engines`) and this
-project's engine on the same folder. `target_facts` reads what the checks need from a target
+project's server on the same folder. `target_facts` reads what the checks need from a target
 folder's config.json (any family, multimodal too; a head's folder is refused), `target_findings`
 is what stops a head from serving beside that target, and `resolve_verifier` finds a head's
 recorded target on this machine (a Hub id: in the cache).
@@ -81,13 +81,13 @@ def serve_command(model, mode: str, k_train=None, target_family: str | None = No
 def serve_lines(model, mode: str, k_train=None, target_family: str | None = None, target: str = "TARGET") -> list[str]:
     """What to run to serve a head folder: the vLLM command (`serve_command`; a P-EAGLE head's
     pinned to the releases that serve it, `pip install "vllm>=0.16,<0.34" && vllm serve ...`),
-    then this project's engine on the same folder (`python -m infer generate`)."""
+    then this project's OpenAI-compatible server on the same folder (`python -m infer serve`)."""
     vllm = serve_command(model, mode, k_train, target_family, target)
     pin = serving_vllm(mode)
     if pin != "vllm":
         vllm = f"pip install {json.dumps(pin)} && {vllm}"
     k = k_train if mode == "dflash" else serve_k(k_train)
-    return [vllm, f"python -m infer generate --target {target} --drafter {model} --k {k} --prompt TEXT"]
+    return [vllm, f"python -m infer serve --target {target} --drafter {model} --k {k}"]
 
 
 def serve_note(mode: str) -> str | None:
@@ -97,7 +97,7 @@ def serve_note(mode: str) -> str | None:
     return (
         f"vLLM {version_text(NEWEST_VLLM)} and later refuse {HEAD_KINDS[mode]} heads (the V1 runner and parallel "
         f"drafting for eagle3 were removed): serve this head with {serving_vllm(mode)}, or with this project's "
-        "engine (python -m infer)"
+        "server (python -m infer serve)"
     )
 
 

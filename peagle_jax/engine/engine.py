@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -29,7 +28,6 @@ from peagle_jax.config import NUM_AUX, TargetConfig, validate_aux_layer_ids
 from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
-from peagle_jax.engine.sampler import empty_logprobs
 from peagle_jax.engine.sampling import STOP_WIDTH, SamplingParams, row_key, sampling_rows
 from peagle_jax.sharding import ROLES, role_sharding, shard_state
 
@@ -376,17 +374,10 @@ class Engine:
         """`state` with the rows of the mask `rows` [B] done: they stop from the next round on."""
         return _release(state, jnp.asarray(rows))
 
-    def prompt_logprobs(self, ids: list[int], top: int) -> list[tuple[float, list[tuple[int, float]]]]:
-        """The log-probability of each prompt token after the first under the target (one forward
-        over the prompt, no cache), with the `top` most likely (id, log-probability) there."""
-        prompt = np.zeros((1, kv.round_up(len(ids), LOGPROB_CHUNK)), np.int32)
-        prompt[0, : len(ids)] = ids
-        tdef, tstate = self.modules()[:2]
-        got = jax.device_get(_prompt_logprobs(tdef, tstate, jnp.asarray(prompt), top, jnp.int32(len(ids))))
-        token, top_ids, values = (np.asarray(x)[: len(ids) - 1] for x in got)
-        return [
-            (float(token[i]), [(int(t), float(v)) for t, v in zip(top_ids[i], values[i])]) for i in range(len(ids) - 1)
-        ]
+    def extend_call(self, state: sp.DecodeState, rows, chunk: sp.Chunk, sampling) -> Call:
+        """`extend`'s program and arguments: `chunk` (a piece of each row's prompt) into rows
+        `rows` of `state` in place (the state is donated; an index past its last row: padding)."""
+        return Call(sp.jit_extend, (self.config, *self.modules(), state, jnp.asarray(rows, jnp.int32), chunk, sampling))
 
     @staticmethod
     def read(state: sp.DecodeState, start: np.ndarray, width: int) -> Tokens:
@@ -396,48 +387,7 @@ class Engine:
         return Tokens(np.asarray(start), out_len, done, tail, rounds, accepted, logprobs)
 
 
-LOGPROB_CHUNK = 64  # prompt positions whose [positions, V] log-softmax is live at once
-
-
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def _prompt_logprobs(tdef, tstate, prompt, top: int, prompt_len):
-    model = nnx.merge(tdef, tstate)
-    p = prompt.shape[1]
-    idx = jnp.arange(p)[None, :]
-    out = model(prompt, jnp.where(idx < prompt_len, idx, -1), compute_logits=False)
-    following = jnp.concatenate([prompt[0, 1:], jnp.zeros((1,), prompt.dtype)])
-
-    def chunk(args):
-        hidden, tokens = args
-        lsm = jax.nn.log_softmax(model.lm_logits(hidden).astype(jnp.float32), axis=-1)
-        values, ids = jax.lax.top_k(lsm, top)
-        return jnp.take_along_axis(lsm, tokens[:, None], axis=-1)[:, 0], ids, values
-
-    rows = (out.hidden[0].reshape(p // LOGPROB_CHUNK, LOGPROB_CHUNK, -1), following.reshape(-1, LOGPROB_CHUNK))
-    return jax.tree.map(lambda x: x.reshape((p,) + x.shape[2:]), jax.lax.map(chunk, rows))
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _empty(cfg: sp.EngineConfig, target_spec, drafter_spec, vocab: int, sampling) -> sp.DecodeState:
-    b, length = target_spec[0][1][:2]
-    zeros = jnp.zeros((b,), jnp.int32)
-    return sp.DecodeState(
-        target_cache=kv.allocate(target_spec),
-        drafter_cache=kv.allocate(drafter_spec),
-        length=zeros,
-        last=zeros,
-        drafts=jnp.zeros((b, cfg.k), jnp.int32),
-        done=jnp.ones((b,), bool),
-        out=jnp.zeros((b, length), jnp.int32),
-        out_len=zeros,
-        budget=zeros,
-        rounds=zeros,
-        accepted=jnp.zeros((b, cfg.k + 1), jnp.int32),
-        sampling=sampling,
-        counts=jnp.zeros((b, vocab), jnp.int32) if cfg.penalties else None,
-        seen=jnp.zeros((b, vocab), bool) if cfg.penalties else None,
-        logprobs=None if cfg.logprobs is None else empty_logprobs(b, length, cfg.logprobs),
-    )
+_empty = jax.jit(sp.empty_state, static_argnums=(0, 1, 2, 3))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

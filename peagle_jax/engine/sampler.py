@@ -259,3 +259,34 @@ def record_logprobs(record: Logprobs, raw_logits, emitted, write_at, s: Sampling
         )
 
     return jax.lax.cond(jnp.any(s.logprobs >= 0), write, lambda r: r, record)
+
+
+LOGPROB_PIECE = 64  # positions whose [positions, V] log-softmax is live at once
+
+
+def prompt_logprobs(lm_logits, hidden, following, width: int, asked):
+    """(token [R, T], top_ids [R, T, width], top [R, T, width]): the log-probability of
+    `following[:, j]` under the target at each position j of hidden [R, T, H] (its final-norm
+    output; `lm_logits` maps it to logits), with the `width` most likely there, computed
+    LOGPROB_PIECE positions at a time, and only when some row is `asked` [R] (else zeros)."""
+    r, t, h = hidden.shape
+    piece = LOGPROB_PIECE if t % LOGPROB_PIECE == 0 else t
+
+    def compute(_):
+        def one(args):
+            x, nxt = args
+            lsm = jax.nn.log_softmax(lm_logits(x).astype(jnp.float32), axis=-1)
+            top, top_ids = jax.lax.top_k(lsm, width)
+            return jnp.take_along_axis(lsm, nxt[:, None], axis=-1)[:, 0], top_ids.astype(jnp.int32), top
+
+        pieces = (hidden.reshape(-1, piece, h), following.reshape(-1, piece))
+        return jax.tree.map(lambda x: x.reshape((r, t) + x.shape[2:]), jax.lax.map(one, pieces))
+
+    def nothing(_):
+        return (
+            jnp.zeros((r, t), jnp.float32),
+            jnp.zeros((r, t, width), jnp.int32),
+            jnp.zeros((r, t, width), jnp.float32),
+        )
+
+    return jax.lax.cond(jnp.any(asked), compute, nothing, None)

@@ -42,6 +42,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the prompt's own log-probabilities (echo), with this many top ones
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
 
     def __post_init__(self):
@@ -79,6 +80,8 @@ class SamplingParams:
             yield f"min_tokens must be an integer >= 0, got {self.min_tokens!r}"
         if self.logprobs is not None and (not whole(self.logprobs) or self.logprobs < 0):
             yield f"logprobs must be None or an integer >= 0, got {self.logprobs!r}"
+        if self.prompt_logprobs is not None and (not whole(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            yield f"prompt_logprobs must be None or an integer >= 0, got {self.prompt_logprobs!r}"
         if any(not whole(t) or t < 0 or not finite(b) or not -100 <= b <= 100 for t, b in self.logit_bias):
             yield f"logit_bias must map token ids to biases in [-100, 100], got {dict(self.logit_bias)!r}"
 
@@ -111,6 +114,7 @@ class Sampling(NamedTuple):
     repetition: jax.Array  # [B] f32
     min_tokens: jax.Array  # [B] i32
     logprobs: jax.Array  # [B] i32, -1 = off
+    prompt_logprobs: jax.Array  # [B] i32, -1 = off
     stop_ids: jax.Array  # [B, S] i32: the ids that end the row (its eos ids unless ignore_eos, and its stop ids)
     bias_ids: jax.Array  # [B, NB] i32
     bias: jax.Array  # [B, NB] f32
@@ -155,7 +159,7 @@ def sampling_rows(params: list[SamplingParams], eos_ids, rows: int, keys: list, 
         col[: len(params)] = [value(p, name) for p in params]
         return jnp.asarray(col)
 
-    pad_keys = [jax.random.key(0)] * (rows - len(keys))
+    padding = jax.random.split(jax.random.key(0), rows - len(keys))  # one op, however many rows
     return Sampling(
         temperature=column("temperature", 0.0, np.float32),
         top_p=column("top_p", 1.0, np.float32),
@@ -165,9 +169,12 @@ def sampling_rows(params: list[SamplingParams], eos_ids, rows: int, keys: list, 
         frequency=column("frequency_penalty", 0.0, np.float32),
         repetition=column("repetition_penalty", 1.0, np.float32),
         min_tokens=column("min_tokens", 0, np.int32),
-        logprobs=column("logprobs", -1, np.int32, lambda p, _: -1 if p.logprobs is None else p.logprobs),
+        logprobs=column("logprobs", -1, np.int32, lambda p, name: -1 if getattr(p, name) is None else getattr(p, name)),
+        prompt_logprobs=column(
+            "prompt_logprobs", -1, np.int32, lambda p, name: -1 if getattr(p, name) is None else getattr(p, name)
+        ),
         stop_ids=jnp.asarray(table),
         bias_ids=jnp.asarray(bias_ids),
         bias=jnp.asarray(bias),
-        key=jnp.stack([*keys, *pad_keys]),
+        key=jnp.concatenate([jnp.stack(keys), padding]) if keys else padding,
     )

@@ -1,15 +1,18 @@
-"""Decode slots for continuous batching (JetStream's prefill / insert / generate) over an `Engine`.
+"""Decode slots for continuous batching over an `Engine`: requests prefilled in their slots, piece
+by piece and together, while the others decode.
 
-B rows of static KV caches (target and head) hold requests that come and go. Requests are
-prefilled together into a state of their own (rows in powers of two, prompts right-padded to a
-bucket of LENGTH_MULTIPLE tokens: one compile per (rows, bucket)), then inserted into free rows
-between steps. A step (`Engine.step`) runs the rows up to the last busy one, rounded up to a
-power of two (one compile each: a server with one client pays a 1-row round); finished and free
-rows are frozen (position -1), so a row is released by marking it done. Each row samples with
-its own settings and key: a request's tokens never depend on the other rows.
+B rows of static KV caches (target and head) hold requests that come and go. `admit` gives a
+request a free slot; `prefill` runs one piece of the waiting prompts, several requests in one
+call (rows in powers of two), into their own slots (`Engine.extend`: chunked prefill), at most
+`prefill_tokens` prompt tokens a call, so a long prompt never stalls the decoding slots for
+longer than that; a request whose prompt is done has its first token and decodes from the next
+`step` on. A step (`Engine.step`) runs the rows up to the last busy one, rounded up to a power of
+two; finished, free and still-prefilling rows are frozen (position -1). Every shape a call may
+take is in `shapes()`, so a server compiles them all before it serves (`warm_up`). Each row
+samples with its own settings and key: a request's tokens never depend on the other rows.
 
-Which slot holds what is kept here and only here (`holders`): whatever the caller inserted with
-a row (a server's request) comes back with that row's news from `step`, and leaves with it.
+Which slot holds what is kept here and only here (`holders`): whatever the caller admitted with a
+request (a server's job) comes back with that row's news, and leaves with it.
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ import jax
 import numpy as np
 
 from peagle_jax.engine import cache as kv
+from peagle_jax.engine import speculative as sp
 from peagle_jax.engine.engine import Call, Engine, Tokens
 from peagle_jax.engine.sampling import SamplingParams
 
 SLOT_STOP_WIDTH = 32  # stop ids a slot's request may hold (its eos ids included)
 SLOT_BIAS_WIDTH = 300  # logit biases a slot's request may hold (OpenAI's limit)
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for (vLLM's default --max-logprobs)
+PIECE = kv.LENGTH_MULTIPLE  # prompt pieces are multiples of it: one compile per (rows, piece length)
 
 
 @dataclasses.dataclass(frozen=True)
 class News:
     """What one row gained: its new tokens (a prefill: the first token), whether it is done, the
     rounds it ran and how many of them accepted n drafts (n = 0..K), its tokens' log-probabilities
-    (token [n], top ids [n, width], top [n, width]) when kept."""
+    (token [n], top ids [n, width], top [n, width]) when kept, and, with its first token, its
+    prompt's (one (log-probability, [(id, log-probability)]) per prompt token after the first)
+    when it asked."""
 
     holder: object
     ids: list[int]
@@ -40,49 +47,52 @@ class News:
     rounds: int = 0
     accepted: np.ndarray | None = None
     logprobs: tuple | None = None
+    prompt_logprobs: list | None = None
+
+
+@dataclasses.dataclass
+class Filling:
+    """A request whose prompt is being prefilled in its slot: `done` of its tokens so far."""
+
+    ids: list[int]
+    params: SamplingParams
+    key: object
+    done: int = 0
+    prompt_logprobs: list | None = None
 
 
 def _placed(shape, sharding):
     return jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding)
 
 
-def _news(tokens: Tokens, row: int, holder, before_rounds=0, before_accepted=None) -> News:
-    count = int(tokens.end[row] - tokens.start[row])
-    logprobs = None
-    if tokens.logprobs is not None:
-        logprobs = tuple(np.asarray(x[row, :count]) for x in tokens.logprobs)
-    accepted = tokens.accepted[row] - (0 if before_accepted is None else before_accepted)
-    rounds = int(tokens.rounds[row]) - before_rounds
-    return News(holder, tokens.tail[row, :count].tolist(), bool(tokens.done[row]), rounds, accepted, logprobs)
-
-
-@dataclasses.dataclass
-class Prefilled:
-    """Rows prefilled together, not yet in a slot: the state and each request's first news."""
-
-    state: object
-    news: list[News]
+def _logprobs(tokens: Tokens, row: int, count: int):
+    if tokens.logprobs is None:
+        return None
+    return tuple(np.asarray(x[row, :count]) for x in tokens.logprobs)
 
 
 class Slots:
     """`batch` decode rows of `max_len` cache positions (rounded up to LENGTH_MULTIPLE) over an
     `Engine` that keeps what a request may ask for (MAX_LOGPROBS log-probabilities, token counts
-    for penalties). A step (`step`) runs up to `rounds_per_step` rounds in one device loop, ending
-    early after a round in which a row finished: fewer host round trips, and no row waits on a
-    finished one. `abstract`: the state is only its shapes and shardings (nothing allocated), for
-    the plan to compile the slots' programs (`*_call`) for a device that is not here."""
+    for penalties). A step runs up to `rounds_per_step` rounds in one device loop, ending early
+    after a round in which a row finished. A prefill call runs at most `prefill_tokens` prompt
+    tokens (rows x piece length). `abstract`: the state is only its shapes and shardings (nothing
+    allocated), for the plan to compile the slots' programs (`*_call`) for a device not here."""
 
-    def __init__(self, engine: Engine, batch: int, max_len: int, rounds_per_step: int = 1, *, abstract=False):
+    def __init__(self, engine: Engine, batch: int, max_len: int, rounds_per_step: int = 1, *,
+                 prefill_tokens: int | None = None, abstract: bool = False):  # fmt: skip
         self.engine = engine = engine.with_records(MAX_LOGPROBS, True)
         self.batch = int(batch)
         self.length = kv.round_up(max_len, kv.LENGTH_MULTIPLE)
         self.rounds_per_step = int(rounds_per_step)
+        self.prefill_tokens = max(PIECE, kv.round_up(prefill_tokens or self.length, PIECE))
         self.widths = dict(stop_width=SLOT_STOP_WIDTH, bias_width=SLOT_BIAS_WIDTH)
         self.state = self.allocate(self.batch, abstract)
         self.start = np.zeros((self.batch,), np.int32)  # out positions already handed out
         self.rounds = np.zeros((self.batch,), np.int32)  # rounds already reported
         self.accepted = np.zeros((self.batch, engine.k + 1), np.int32)
-        self.holders: dict[int, object] = {}  # slot -> what holds it (inserted, not yet done or released)
+        self.holders: dict[int, object] = {}  # slot -> what holds it (admitted, not yet done or released)
+        self.filling: dict[int, Filling] = {}  # the slots whose prompt is being prefilled, in admission order
 
     def allocate(self, rows: int, abstract: bool = False):
         """A state of `rows` free rows placed on the engine's mesh (`abstract`: its shapes only)."""
@@ -99,54 +109,118 @@ class Slots:
         """The most new tokens a prompt of `prompt_len` tokens may ask for (< 1: it does not fit)."""
         return self.engine.fit(prompt_len, self.length)
 
-    def bucket(self, prompt_len: int) -> int:
-        return self.engine.bucket(prompt_len, self.length)
-
-    def buckets(self) -> list[int]:
-        return self.engine.buckets(self.length)
-
     def row_counts(self) -> list[int]:
-        """The row counts a step and a prefill run at (powers of two, and the batch): one compile each."""
+        """The row counts a step runs at (powers of two, and the batch): one compile each."""
         return sorted({min(1 << i, self.batch) for i in range(self.batch.bit_length() + 1)})
 
     def rows_for(self, n: int) -> int:
         return next(r for r in self.row_counts() if r >= n)
 
+    def prefill_rows(self) -> list[int]:
+        """The row counts a prefill call runs at: each row takes at least one piece."""
+        most = max(1, self.prefill_tokens // PIECE)
+        return [r for r in self.row_counts() if r <= most] or [1]
+
+    def piece_limit(self, rows: int) -> int:
+        """The longest piece a prefill call of `rows` rows gives each (a multiple of PIECE)."""
+        return min(max(PIECE, self.prefill_tokens // rows // PIECE * PIECE), self.length)
+
+    def shapes(self) -> dict[str, list]:
+        """Every shape a call takes: prefill (rows, piece length) and step rows."""
+        prefill = [(r, t) for r in self.prefill_rows() for t in range(PIECE, self.piece_limit(r) + 1, PIECE)]
+        return {"prefill": prefill, "step": self.row_counts()}
+
     def free(self) -> list[int]:
         return [s for s in range(self.batch) if s not in self.holders]
 
+    @property
+    def running(self) -> list[int]:
+        return [s for s in self.holders if s not in self.filling]
+
     # ---------------------------------------------------------------- verbs
 
-    def prefill_call(self, requests: list[tuple[list[int], SamplingParams, object]]) -> Call:
-        """`prefill`'s program and arguments: requests (prompt ids, params, key), at most `batch`."""
-        prompts, params, keys = (list(x) for x in zip(*requests))
-        rows = self.rows_for(len(requests))
-        return self.engine.prefill_call(prompts, params, self.length, rows=rows, keys=keys, **self.widths)
+    def admit(self, requests: list[tuple[list[int], SamplingParams, object]], holders: list) -> list[int]:
+        """Free slots (the lowest first) for requests (prompt ids, params, key): their prompts are
+        prefilled by the next `prefill` calls. ValueError, before any slot is taken, when one does
+        not fit, or when there are more requests than free slots."""
+        for ids, params, _ in requests:
+            self.engine.check_fit(len(ids), params.max_tokens, self.length)
+        slots = self.free()[: len(requests)]
+        if len(slots) < len(requests):
+            raise ValueError(f"{len(requests)} requests for {len(slots)} free slots")
+        for slot, (ids, params, key), holder in zip(slots, requests, holders):
+            self.holders[slot] = holder
+            self.filling[slot] = Filling(list(ids), params, key)
+        return slots
 
-    def prefill(self, requests: list[tuple[list[int], SamplingParams, object]], holders: list) -> Prefilled:
-        """Requests (prompt ids, params, key) prefilled together: their state and first news (a
-        request whose first token ends it is done already: nothing to insert)."""
-        state = self.prefill_call(requests).run()
-        tokens = self.engine.read(state, np.zeros((len(state.done),), np.int32), 1)
-        return Prefilled(state, [_news(tokens, i, h) for i, h in enumerate(holders)])
+    def prefill_call(self, slots: list[int] | None = None, piece: int | None = None) -> Call:
+        """The next prefill call's program and arguments: a piece of each filling slot's prompt
+        (the first admitted first; `slots` / `piece`: those, at that piece length)."""
+        rows, pieces = self._next_pieces() if slots is None else (slots, piece)
+        count = self.rows_for(len(rows))
+        chunk, params, keys = self._chunk(rows, pieces, count)
+        sampling = self.engine.sampling(params, count, keys, **self.widths)
+        return self.engine.extend_call(self.state, np.array(rows + [self.batch] * (count - len(rows))), chunk, sampling)
 
-    def insert_call(self, part, slots) -> Call:
-        return self.engine.insert_call(self.state, part, slots)
+    def _next_pieces(self) -> tuple[list[int], int]:
+        """The filling slots the next call takes, and its piece length."""
+        rows = list(self.filling)[: max(self.prefill_rows())]
+        limit = self.piece_limit(self.rows_for(len(rows)))
+        longest = max(min(len(self.filling[s].ids) - self.filling[s].done, limit) for s in rows)
+        return rows, kv.round_up(longest, PIECE)
 
-    def insert(self, prefilled: Prefilled, slots: list[int]) -> None:
-        """Puts the prefilled rows that are not done into `slots` (one each, in order)."""
-        rows = [i for i, n in enumerate(prefilled.news) if not n.done]
-        if not rows:
-            return
-        dst = np.full((len(prefilled.state.done),), self.batch, np.int32)  # past the end: not inserted
-        dst[rows] = slots[: len(rows)]
-        self.state = self.insert_call(prefilled.state, dst).run()
-        for i, slot in zip(rows, slots):
-            self.start[slot], self.rounds[slot], self.accepted[slot] = 1, 0, 0  # the first token went out
-            self.holders[slot] = prefilled.news[i].holder
+    def _chunk(self, rows: list[int], piece: int, count: int) -> tuple[sp.Chunk, list, list]:
+        tokens = np.zeros((count, piece), np.int32)
+        start, length, after, budget = (np.zeros((count,), np.int32) for _ in range(4))
+        final = np.zeros((count,), bool)
+        params, keys = [], []
+        for i, slot in enumerate(rows):
+            f = self.filling.get(slot)  # None: a row of nothing (warm-up), nothing is written
+            ids, done = (f.ids, f.done) if f else ([], 0)
+            n = min(len(ids) - done, piece)
+            tokens[i, :n], start[i], length[i] = ids[done : done + n], done, n
+            final[i] = f is not None and done + n == len(ids)
+            after[i] = ids[done + n] if f is not None and not final[i] else 0
+            budget[i] = f.params.max_tokens if f else 1
+            params.append(f.params if f else SamplingParams(1))
+            keys.append(f.key if f else jax.random.key(0))
+        arrays = (jax.numpy.asarray(x) for x in (tokens, start, length, after, final, budget))
+        return sp.Chunk(*arrays), params, keys
+
+    def prefill(self) -> list[News]:
+        """One prefill call: a piece of the filling prompts. The news of each request whose prompt
+        is done (its first token; done already when that token ends it: its slot is free again)."""
+        rows, piece = self._next_pieces()
+        self.state, prompt_lp = self.prefill_call(rows, piece).run()
+        tokens = self.engine.read(self.state, np.zeros((self.batch,), np.int32), 1)
+        asked = any(self.filling[s].params.prompt_logprobs is not None for s in rows)
+        prompt_lp = jax.device_get(prompt_lp) if asked else None
+        news = []
+        for i, slot in enumerate(rows):
+            f = self.filling[slot]
+            n = min(len(f.ids) - f.done, piece)
+            if f.params.prompt_logprobs is not None and prompt_lp is not None:
+                f.prompt_logprobs = (f.prompt_logprobs or []) + _entries(prompt_lp, i, n, f.params.prompt_logprobs)
+            f.done += n
+            if f.done == len(f.ids):
+                news.append(self._started(slot, f, tokens))
+        return news
+
+    def _started(self, slot: int, f: Filling, tokens: Tokens) -> News:
+        """The news of a slot whose prompt is done; the slot decodes from now on (or is free again)."""
+        del self.filling[slot]
+        holder = self.holders[slot]
+        done = bool(tokens.done[slot])
+        prompt = None if f.prompt_logprobs is None else f.prompt_logprobs[: len(f.ids) - 1]
+        news = News(holder, tokens.tail[slot, :1].tolist(), done, logprobs=_logprobs(tokens, slot, 1),
+                    prompt_logprobs=prompt)  # fmt: skip
+        self.start[slot], self.rounds[slot], self.accepted[slot] = 1, 0, 0  # the first token went out
+        if done:
+            del self.holders[slot]
+        return news
 
     def release(self, slots) -> None:
-        """Frees `slots`: their rows stop decoding from the next step on."""
+        """Frees `slots`: their rows stop decoding (or prefilling) from the next call on."""
         slots = [s for s in slots if s in self.holders]
         if not slots:
             return
@@ -155,23 +229,49 @@ class Slots:
         self.state = self.engine.release(self.state, rows)
         for s in slots:
             del self.holders[s]
+            self.filling.pop(s, None)
 
     def step_call(self, rows: int) -> Call:
         return self.engine.step_call(self.state, self.rounds_per_step, rows)
 
     def step(self, rows: int | None = None) -> list[News]:
-        """One step over the rows up to the last busy one (`rows`: that many): each busy slot's
-        news; a slot whose request is done is free again."""
+        """One step over the rows up to the last decoding one (`rows`: that many): each decoding
+        slot's news; a slot whose request is done is free again."""
+        running = self.running
         if rows is None:
-            rows = self.rows_for(max(self.holders, default=-1) + 1)
+            rows = self.rows_for(max(running, default=-1) + 1)
         self.state = self.step_call(rows).run()
         width = self.rounds_per_step * (self.engine.k + 1)
         tokens = self.engine.read(self.state, self.start, width)
         news = []
-        for slot, holder in sorted(self.holders.items()):
-            news.append(_news(tokens, slot, holder, int(self.rounds[slot]), self.accepted[slot]))
+        for slot in sorted(running):
+            count = int(tokens.end[slot] - tokens.start[slot])
+            rounds = int(tokens.rounds[slot]) - int(self.rounds[slot])
+            accepted = tokens.accepted[slot] - self.accepted[slot]
+            news.append(News(self.holders[slot], tokens.tail[slot, :count].tolist(), bool(tokens.done[slot]),
+                             rounds, accepted, _logprobs(tokens, slot, count)))  # fmt: skip
         self.start, self.rounds = np.array(tokens.end, np.int32), np.array(tokens.rounds, np.int32)
         self.accepted = np.array(tokens.accepted, np.int32)
-        for slot in [s for s in self.holders if tokens.done[s]]:
+        for slot in [s for s in running if tokens.done[s]]:
             del self.holders[slot]
         return news
+
+    def warm_up(self) -> None:
+        """Runs every shape a call may take (`shapes`) once on free rows, so that none compiles
+        while requests wait: prefill pieces of nothing (length 0: nothing is written), steps over
+        frozen rows."""
+        for rows, piece in self.shapes()["prefill"]:
+            self.state, _ = self.prefill_call([self.batch] * rows, piece).run()
+        self.engine.read(self.state, np.zeros((self.batch,), np.int32), 1)
+        for rows in self.shapes()["step"]:
+            self.state = self.step_call(rows).run()
+        self.engine.read(self.state, self.start, self.rounds_per_step * (self.engine.k + 1))
+
+
+def _entries(prompt_lp, row: int, count: int, top: int) -> list:
+    """A prefill call's prompt log-probabilities of one row's piece as (log-probability, [(id,
+    log-probability)] of its `top` most likely) per position."""
+    token, top_ids, values = (np.asarray(x)[row, :count] for x in prompt_lp)
+    return [
+        (float(token[j]), [(int(t), float(v)) for t, v in zip(top_ids[j, :top], values[j, :top])]) for j in range(count)
+    ]

@@ -35,6 +35,7 @@ from peagle_jax.engine.sampler import (
     empty_logprobs,
     pick_rows,
     processed_logits,
+    prompt_logprobs,
     prompt_tokens_seen,
     record_logprobs,
 )
@@ -171,54 +172,142 @@ def draft(cfg: EngineConfig, drafter, tokens, aux, positions, bonus_slot, cache)
 # ---------------------------------------------------------------- prefill and rounds
 
 
-def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, target_cache, drafter_cache, sampling):
-    """Target prefill, its next token, and the first drafts.
+def empty_state(cfg: EngineConfig, target_spec, drafter_spec, vocab: int, sampling) -> DecodeState:
+    """Free rows (done, nothing written) of the caches' specs, with the records `cfg` keeps."""
+    b, length = target_spec[0][1][:2]
+    zeros = jnp.zeros((b,), jnp.int32)
+    return DecodeState(
+        target_cache=kv.allocate(target_spec),
+        drafter_cache=kv.allocate(drafter_spec),
+        length=zeros,
+        last=zeros,
+        drafts=jnp.zeros((b, cfg.k), jnp.int32),
+        done=jnp.ones((b,), bool),
+        out=jnp.zeros((b, length), jnp.int32),
+        out_len=zeros,
+        budget=zeros,
+        rounds=zeros,
+        accepted=jnp.zeros((b, cfg.k + 1), jnp.int32),
+        sampling=sampling,
+        counts=jnp.zeros((b, vocab), jnp.int32) if cfg.penalties else None,
+        seen=jnp.zeros((b, vocab), bool) if cfg.penalties else None,
+        logprobs=None if cfg.logprobs is None else empty_logprobs(b, length, cfg.logprobs),
+    )
 
-    prompt [B, P] right-padded; prompt_len [B], 0 for a batch-padding row (done at once);
-    budget [B] new tokens allowed per row; sampling: the rows' settings. Returns a DecodeState
-    whose `out` holds the first token.
-    """
-    b, p = prompt.shape
-    idx = jnp.arange(p)[None, :]
-    positions = jnp.where(idx < prompt_len[:, None], idx, -1)
-    last_slot = jnp.maximum(prompt_len - 1, 0)
-    out = target(prompt, positions, target_cache, aux_layer_ids=cfg.aux_layer_ids, logits_at=last_slot[:, None])
-    length, vocab = target_cache[0][0].shape[1], out.logits.shape[-1]
-    counts = seen = None
-    if cfg.penalties:
-        counts, seen = jnp.zeros((b, vocab), jnp.int32), prompt_tokens_seen(prompt, prompt_len, vocab)
-    nothing = jnp.zeros((b, 0), jnp.int32)
-    logits = processed_logits(out.logits, sampling, jnp.zeros((b,), jnp.int32), nothing, counts, seen)
-    first, sampling = pick_rows(logits[:, 0], sampling)
-    drafts = jnp.zeros((b, cfg.k), jnp.int32)
+
+class Chunk(NamedTuple):
+    """One piece of each row's prompt (`extend`): tokens [R, T] right-padded, at positions
+    start + j for j < length; `after` [R] the prompt token that follows the piece (rows whose
+    prompt goes on); `final` [R] the piece ends the row's prompt; budget [R] its new tokens."""
+
+    tokens: jax.Array
+    start: jax.Array
+    length: jax.Array
+    after: jax.Array
+    final: jax.Array
+    budget: jax.Array
+
+
+def _rows_where(rows, new, old):
+    """`new` where the row mask `rows` [R] is set, else `old` (pytrees of row-first arrays)."""
+    return jax.tree.map(lambda a, b: jnp.where(rows.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old)
+
+
+def extend(cfg: EngineConfig, target, drafter, state: DecodeState, chunk: Chunk, sampling):
+    """A piece of each row's prompt into the rows' caches (a prompt is prefilled in one piece or
+    in several: chunked prefill). A row whose piece ends its prompt gets its first token, drafts
+    and sampling settings and is ready to decode; the others keep their decode fields (a row being
+    prefilled stays done, so rounds leave it alone). Returns (state, the prompt's log-probabilities
+    at the piece's positions when a row asks: `sampler.prompt_logprobs`)."""
+    r, t = chunk.tokens.shape
+    idx = jnp.arange(t)[None, :]
+    positions = jnp.where(idx < chunk.length[:, None], chunk.start[:, None] + idx, -1)
+    last_slot = jnp.maximum(chunk.length - 1, 0)
+    out = target(
+        chunk.tokens, positions, state.target_cache, aux_layer_ids=cfg.aux_layer_ids, logits_at=last_slot[:, None]
+    )
+    vocab = out.logits.shape[-1]
+    ends = chunk.final & (chunk.length > 0)
+    seen, counts = state.seen, None
+    if seen is not None:
+        fresh = ((chunk.start == 0) & (chunk.length > 0))[:, None]  # a new prompt: the slot's last one is gone
+        seen = jnp.where(fresh, False, seen) | prompt_tokens_seen(chunk.tokens, chunk.length, vocab)
+        counts = jnp.zeros_like(state.counts)
+    nothing = jnp.zeros((r, 0), jnp.int32)
+    logits = processed_logits(out.logits, sampling, jnp.zeros((r,), jnp.int32), nothing, counts, seen)
+    first, picked = pick_rows(logits[:, 0], sampling)
+    drafts, drafter_cache = state.drafts, state.drafter_cache
     if cfg.mode != "none":
-        # slot j holds token x[j+1] with aux of position j; the last real slot holds `first`
-        shifted = jnp.concatenate([prompt[:, 1:], jnp.zeros((b, 1), prompt.dtype)], axis=1)
-        shifted = jnp.where(idx == (prompt_len - 1)[:, None], first[:, None], shifted)
+        # slot j holds token x[j+1] with aux of position j; the last real slot holds the token after it
+        shifted = jnp.concatenate([chunk.tokens[:, 1:], jnp.zeros((r, 1), chunk.tokens.dtype)], axis=1)
+        following = jnp.where(ends, first, chunk.after)
+        shifted = jnp.where(idx == last_slot[:, None], following[:, None], shifted)
         drafts, drafter_cache = draft(cfg, drafter, shifted, out.aux_hidden, positions, last_slot, drafter_cache)
-    valid = (prompt_len > 0)[:, None]
-    state = DecodeState(
-        target_cache=out.cache,
-        drafter_cache=drafter_cache,
-        length=prompt_len.astype(jnp.int32),
+    ones = jnp.ones((r, 1), bool)
+    started = state._replace(
+        length=chunk.start + chunk.length,
         last=first,
         drafts=drafts,
-        done=prompt_len == 0,
-        out=jnp.zeros((b, length), jnp.int32).at[:, 0].set(first),
-        out_len=valid[:, 0].astype(jnp.int32),
-        budget=budget.astype(jnp.int32),
+        done=jnp.zeros((r,), bool),
+        out=jnp.zeros_like(state.out).at[:, 0].set(first),
+        out_len=jnp.ones((r,), jnp.int32),
+        budget=chunk.budget.astype(jnp.int32),
+        rounds=jnp.zeros_like(state.rounds),
+        accepted=jnp.zeros_like(state.accepted),
+        sampling=picked,
+        counts=None if counts is None else count_tokens(counts, first[:, None], ones),
+        logprobs=None
+        if state.logprobs is None
+        else record_logprobs(
+            empty_logprobs(r, state.out.shape[1], cfg.logprobs),
+            out.logits,
+            first[:, None],
+            jnp.zeros((r, 1), jnp.int32),
+            sampling,
+        ),
+    )
+    decode = ("length", "last", "drafts", "done", "out", "out_len", "budget", "rounds", "accepted", "sampling")
+    decode += ("counts", "logprobs")
+    picked_fields = {f: getattr(state, f) for f in decode}
+    fields = _rows_where(ends, {f: getattr(started, f) for f in decode}, picked_fields)
+    new = state._replace(target_cache=out.cache, drafter_cache=drafter_cache, seen=seen, **fields)
+    prompt_lp = None
+    if cfg.logprobs is not None:
+        following = jnp.concatenate([chunk.tokens[:, 1:], chunk.after[:, None]], axis=1)
+        following = jnp.where(idx == last_slot[:, None], chunk.after[:, None], following)
+        asked = (sampling.prompt_logprobs >= 0) & (chunk.length > 0)
+        prompt_lp = prompt_logprobs(target.lm_logits, out.hidden, following, cfg.logprobs, asked)
+    return _finish(new, first[:, None], ends[:, None]), prompt_lp
+
+
+def prefill(cfg: EngineConfig, target, drafter, prompt, prompt_len, budget, target_cache, drafter_cache, sampling):
+    """Target prefill, its next token, and the first drafts: `extend` over fresh rows with every
+    prompt in one piece. prompt [B, P] right-padded; prompt_len [B], 0 for a batch-padding row
+    (done at once); budget [B] new tokens allowed per row. Returns a DecodeState whose `out`
+    holds the first token."""
+    b = prompt.shape[0]
+    length = target_cache[0][0].shape[1]
+    vocab = target.config.vocab_size
+    state = DecodeState(
+        target_cache=target_cache,
+        drafter_cache=drafter_cache,
+        length=jnp.zeros((b,), jnp.int32),
+        last=jnp.zeros((b,), jnp.int32),
+        drafts=jnp.zeros((b, cfg.k), jnp.int32),
+        done=jnp.ones((b,), bool),
+        out=jnp.zeros((b, length), jnp.int32),
+        out_len=jnp.zeros((b,), jnp.int32),
+        budget=jnp.zeros((b,), jnp.int32),
         rounds=jnp.zeros((b,), jnp.int32),
         accepted=jnp.zeros((b, cfg.k + 1), jnp.int32),
         sampling=sampling,
-        counts=None if counts is None else count_tokens(counts, first[:, None], valid),
-        seen=seen,
-        logprobs=None
-        if cfg.logprobs is None
-        else record_logprobs(
-            empty_logprobs(b, length, cfg.logprobs), out.logits, first[:, None], jnp.where(valid, 0, length), sampling
-        ),
+        counts=jnp.zeros((b, vocab), jnp.int32) if cfg.penalties else None,
+        seen=jnp.zeros((b, vocab), bool) if cfg.penalties else None,
+        logprobs=None if cfg.logprobs is None else empty_logprobs(b, length, cfg.logprobs),
     )
-    return _finish(state, first[:, None], valid)
+    zeros = jnp.zeros((b,), jnp.int32)
+    chunk = Chunk(prompt, zeros, prompt_len, zeros, prompt_len > 0, budget)
+    return extend(cfg, target, drafter, state, chunk, sampling)[0]
 
 
 def _finish(state: DecodeState, emitted, valid) -> DecodeState:
@@ -334,6 +423,19 @@ def jit_prefill(
             kv.allocate(drafter_cache_shape),
             sampling,
         )
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 3), donate_argnums=(5,))
+def jit_extend(cfg, target_def, target_state, drafter_def, drafter_state, state, rows, chunk: Chunk, sampling):
+    """`extend` over rows `rows` [R] of `state` in place (an index past the last row: a padding
+    row, nothing written): a server's prompts prefilled in their slots, piece by piece. Returns
+    (state, the pieces' prompt log-probabilities or None)."""
+    target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
+    last = state.done.shape[0] - 1
+    part = jax.tree.map(lambda x: x[jnp.minimum(rows, last)], state)
+    with kernels_partitioned(cfg.mesh):
+        part, prompt_lp = extend(cfg, target, drafter, part, chunk, sampling)
+    return jax.tree.map(lambda whole, p: whole.at[rows].set(p, mode="drop"), state, part), prompt_lp
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3), donate_argnums=(5,))

@@ -46,12 +46,15 @@ def chat(server, messages, **kw):
 # ---------------------------------------------------------------- rows
 
 
-def test_n_choices_are_independent_rows_seeded_seed_plus_index(server):
+def test_n_choices_are_independent_rows_keyed_by_seed_and_index(server):
+    """Choice i of a request seeded s draws with row_key(s, i), as row i of `generate([p] * n, seed=s)`:
+    choice 0 is the request alone, the choices differ, and the same request draws the same again."""
     res = complete(server, prompt=PROMPT, n=3, temperature=1.0, seed=40)
     assert [c.index for c in res.choices] == [0, 1, 2]
-    alone = [complete(server, prompt=PROMPT, temperature=1.0, seed=40 + i).choices[0].text for i in range(3)]
-    assert [c.text for c in res.choices] == alone
-    assert len(set(alone)) > 1  # independent draws
+    texts = [c.text for c in res.choices]
+    assert texts[0] == complete(server, prompt=PROMPT, temperature=1.0, seed=40).choices[0].text
+    assert len(set(texts)) > 1  # independent draws
+    assert [c.text for c in complete(server, prompt=PROMPT, n=3, temperature=1.0, seed=40).choices] == texts
     assert res.usage.prompt_tokens == len(PROMPT) and res.usage.completion_tokens == 3 * 8
     greedy = complete(server, prompt=PROMPT, n=2)
     assert greedy.choices[0].text == greedy.choices[1].text == complete(server, prompt=PROMPT).choices[0].text

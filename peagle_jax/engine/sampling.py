@@ -155,7 +155,7 @@ def sampling_rows(params: list[SamplingParams], eos_ids, rows: int, keys: list, 
         col[: len(params)] = [value(p, name) for p in params]
         return jnp.asarray(col)
 
-    pad_keys = [jax.random.key(0)] * (rows - len(keys))
+    padding = jax.random.split(jax.random.key(0), rows - len(keys))  # one op, however many rows
     return Sampling(
         temperature=column("temperature", 0.0, np.float32),
         top_p=column("top_p", 1.0, np.float32),
@@ -169,5 +169,5 @@ def sampling_rows(params: list[SamplingParams], eos_ids, rows: int, keys: list, 
         stop_ids=jnp.asarray(table),
         bias_ids=jnp.asarray(bias_ids),
         bias=jnp.asarray(bias),
-        key=jnp.stack([*keys, *pad_keys]),
+        key=jnp.concatenate([jnp.stack(keys), padding]) if keys else padding,
     )

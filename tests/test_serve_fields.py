@@ -5,11 +5,12 @@ sampling extensions, continuous usage, the defaults of max_tokens, refusals that
 field, unknown fields named in one log line, and vLLM's metric names.
 
 One server (tiny random target, word tokenizer, random head, K=2, 2 slots) serves every test.
-The values of logprobs and the effect of the sampling extensions are the engine's; here the
-protocol: what is accepted, refused and rendered."""
+Here the protocol (what is accepted, refused and rendered), logprobs checked against the target's
+own forward pass, and each sampling extension reaching the engine (its exact law: tests/test_engine.py)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from serve_support import ServerProcess, request, tiny_assets
 
@@ -20,9 +21,14 @@ PROMPT = [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve-fields")
-    tiny_assets(root)
+    return root, tiny_assets(root)
+
+
+@pytest.fixture(scope="module")
+def server(assets):
+    root, _ = assets
     argv = ["--target", root / "target", "--drafter", root / "drafter", "--k", K]
     argv += ["--max-batch", SLOTS, "--max-len", MAX_LEN]
     proc = ServerProcess([str(a) for a in argv], root / "server.log", "tiny")
@@ -46,12 +52,15 @@ def chat(server, messages, **kw):
 # ---------------------------------------------------------------- rows
 
 
-def test_n_choices_are_independent_rows_seeded_seed_plus_index(server):
+def test_n_choices_are_independent_rows_keyed_by_seed_and_index(server):
+    """Choice i of a request seeded s draws with row_key(s, i), as row i of `generate([p] * n, seed=s)`:
+    choice 0 is the request alone, the choices differ, and the same request draws the same again."""
     res = complete(server, prompt=PROMPT, n=3, temperature=1.0, seed=40)
     assert [c.index for c in res.choices] == [0, 1, 2]
-    alone = [complete(server, prompt=PROMPT, temperature=1.0, seed=40 + i).choices[0].text for i in range(3)]
-    assert [c.text for c in res.choices] == alone
-    assert len(set(alone)) > 1  # independent draws
+    texts = [c.text for c in res.choices]
+    assert texts[0] == complete(server, prompt=PROMPT, temperature=1.0, seed=40).choices[0].text
+    assert len(set(texts)) > 1  # independent draws
+    assert [c.text for c in complete(server, prompt=PROMPT, n=3, temperature=1.0, seed=40).choices] == texts
     assert res.usage.prompt_tokens == len(PROMPT) and res.usage.completion_tokens == 3 * 8
     greedy = complete(server, prompt=PROMPT, n=2)
     assert greedy.choices[0].text == greedy.choices[1].text == complete(server, prompt=PROMPT).choices[0].text
@@ -90,6 +99,50 @@ def test_echo_prepends_the_prompt_and_logprobs_cover_every_token(server):
     assert len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 2 + 8
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     assert all(v is None or v <= 0 for v in lp.token_logprobs)
+
+
+def log_softmax(target, ids: list[int]) -> np.ndarray:
+    logits = np.asarray(target.forward(np.asarray([ids])).logits[0], np.float64)
+    logits -= logits.max(-1, keepdims=True)
+    return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+
+def test_logprobs_are_the_targets_log_softmax_prompt_and_completion(server, assets):
+    """Every token's log-probability, echoed prompt and completion alike, and its top 3, equal the
+    target's log-softmax there, computed here by a plain forward over the whole text."""
+    _, target = assets
+    res = complete(server, prompt=PROMPT, echo=True, logprobs=3, max_tokens=10)
+    lp = res.choices[0].logprobs
+    ids = [int(t[1:]) for t in lp.tokens]  # the word tokenizer's tokens: w<id>
+    assert ids[: len(PROMPT)] == PROMPT and len(ids) == len(PROMPT) + 10
+    lsm = log_softmax(target, ids)
+    np.testing.assert_allclose(lp.token_logprobs[1:], lsm[np.arange(len(ids) - 1), ids[1:]], atol=2e-4)
+    for i, top in enumerate(lp.top_logprobs[1:]):  # the 3 likeliest, and the token itself (vLLM's)
+        want = set(np.argsort(-lsm[i])[:3].tolist()) | {ids[i + 1]}
+        got = {int(t[1:]): v for t, v in top.items()}
+        assert set(got) == want, i
+        np.testing.assert_allclose([got[t] for t in sorted(want)], lsm[i, sorted(want)], atol=2e-4)
+
+
+def test_the_sampling_extensions_reach_the_engine(server):
+    greedy = complete(server, prompt=PROMPT, max_tokens=12).choices[0].text.split()
+    assert (
+        complete(server, prompt=PROMPT, max_tokens=12, temperature=1.5, seed=3, extra_body={"top_k": 1})
+        .choices[0]
+        .text.split()
+        == greedy
+    )
+    penalized = complete(server, prompt=PROMPT, max_tokens=12, extra_body={"presence_penalty": 2.0})
+    assert penalized.choices[0].text.split() != greedy
+    stop = next(t for i, t in enumerate(greedy) if t not in greedy[:i] and i >= 2)  # first comes at i
+    cut = complete(server, prompt=PROMPT, max_tokens=12, extra_body={"stop_token_ids": [int(stop[1:])]})
+    assert cut.choices[0].text.split() == greedy[: greedy.index(stop)] and cut.choices[0].finish_reason == "stop"
+    held = complete(
+        server, prompt=PROMPT, max_tokens=12, extra_body={"stop_token_ids": [int(stop[1:])], "min_tokens": 12}
+    )
+    assert (
+        held.choices[0].finish_reason == "length" and stop not in held.choices[0].text.split()[: greedy.index(stop) + 1]
+    )
 
 
 def test_completion_logprobs_streamed_and_whole_agree(server):

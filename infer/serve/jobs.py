@@ -17,7 +17,7 @@ import time
 
 from infer.serve.protocol import ApiError, ChatRequest, CompletionRequest, SamplingBody, parse
 from peagle_jax import chat
-from peagle_jax.engine.sampling import SEED_MAX, SamplingParams
+from peagle_jax.engine.sampling import SamplingParams
 
 log = logging.getLogger("infer.serve")
 COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's max_tokens default for /v1/completions
@@ -99,7 +99,7 @@ def plan(served: Served, raw: bytes, chat_request: bool) -> Plan:
         tokens = _budget(served, body, len(prompt.ids))
         for j in range(body.n or 1):
             index = i * (body.n or 1) + j
-            rows.append(Row(index, i, _params(body, tokens, index, bias), _prompt_logprobs(body)))
+            rows.append(Row(index, i, _params(body, tokens, bias), _prompt_logprobs(body)))
     return Plan(body, chat_request, prompts, rows, unknown)
 
 
@@ -171,10 +171,10 @@ def _budget(served: Served, body: SamplingBody, prompt_len: int) -> int:
     return asked
 
 
-def _params(body: SamplingBody, max_tokens: int, index: int, bias: tuple) -> SamplingParams:
-    """Row `index`'s settings: its seed is the request's + index (an independent draw per choice),
-    or a fresh one."""
-    seed = random.getrandbits(63) if body.seed is None else (body.seed + index) % (SEED_MAX + 1)
+def _params(body: SamplingBody, max_tokens: int, bias: tuple) -> SamplingParams:
+    """A row's settings: the request's seed (each choice draws with its own key, `row_key(seed,
+    index)`), or a fresh one."""
+    seed = random.getrandbits(63) if body.seed is None else body.seed
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,

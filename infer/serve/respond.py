@@ -71,7 +71,7 @@ class Call:
         for row in plan.rows:
             emit = functools.partial(_emit, loop, self.events, row.index)
             prompt = plan.prompts[row.prompt]
-            job = Job(prompt.ids, row.params, emit, prompt_logprobs=row.prompt_logprobs)
+            job = Job(prompt.ids, row.params, emit, prompt_logprobs=row.prompt_logprobs, choice=row.index)
             text = TextStream(
                 served.tokenizer, body.stops(), bool(body.skip_special_tokens), bool(body.include_stop_str_in_output)
             )

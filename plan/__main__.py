@@ -32,10 +32,10 @@ def parser() -> OneLineParser:
         choices=("train", "serve", "server"),
         default="train",
         help="train steps; serve: a round and the decode step at --batch; server: what `python -m infer serve` "
-        "runs (a request's prefill at the --tokens bucket, its insert, a step over --batch slots)",
+        "runs (its prefill calls of at most --tokens prompt tokens, as --prefill-chunk, and a step over --batch slots)",
     )
     p.add_argument("--modes", default=None, help="comma-separated modes (default: all of the job's)")
-    p.add_argument("--tokens", type=positive_int, default=4096, help="train: tokens per sequence")
+    p.add_argument("--tokens", type=positive_int, default=4096, help="train: tokens per sequence; server: the prefill call's prompt tokens (serve's --prefill-chunk)")
     p.add_argument(
         "--batch", type=positive_int, default=None, help="sequences per step (train: devices) or rows (serve: 1)"
     )

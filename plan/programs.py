@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import kernels
 from peagle_jax.cli import interruptible
 from peagle_jax.drafter import Drafter, head_config
-from peagle_jax.engine import Engine, SamplingParams, Slots
+from peagle_jax.engine import Engine, Slots
 from peagle_jax.models.drafter import abstract_drafter, flat_state, param_key
 from peagle_jax.plan.launches import Launches, count_launches
 from peagle_jax.plan.roofline import gathered_bytes, jaxpr_flops
@@ -273,27 +273,26 @@ def serve_round(target: Target, head: Drafter | None, mode: str, *, batch: int, 
 
 def server_programs(target: Target, head: Drafter | None, mode: str, *, batch: int, k: int, cache_len: int,
                     prompt: int) -> list[tuple[str, object]]:  # fmt: skip
-    """(name, trace) of what `python -m infer serve` runs, built by its own `Slots` over abstract
-    weights: one request's prefill at the prompt bucket of `prompt` tokens, its insert into `batch`
-    slots of `cache_len` positions, and a step of one round over every slot."""
-    slots = Slots(serving_engine(target, head, mode, k), batch, cache_len, abstract=True)
-    request = ([0] * prompt, SamplingParams(1), jax.random.key(0))
+    """(name, trace) of what `python -m infer serve --prefill-chunk PROMPT` runs, built by its own
+    `Slots` over abstract weights: its prefill calls at their extremes (one prompt's longest piece,
+    the most prompts a call takes) into `batch` slots of `cache_len` positions, and a step of one
+    round over every slot."""
+    slots = Slots(serving_engine(target, head, mode, k), batch, cache_len, prefill_tokens=prompt, abstract=True)
     platform = platform_of(target.mesh)
+    most = max(slots.prefill_rows())
+    extremes = sorted({(1, slots.piece_limit(1)), (most, slots.piece_limit(most))})
 
-    def prefill():
-        with kernels.for_platform(platform):
-            return slots.prefill_call([request]).trace()
+    def prefill(rows: int, piece: int):
+        def trace():
+            with kernels.for_platform(platform):
+                return slots.prefill_call([slots.batch] * rows, piece).trace()
 
-    def insert():
-        return slots.insert_call(slots.allocate(1, abstract=True), np.zeros((1,), np.int32)).trace()
+        return trace
 
     def step():
         with kernels.for_platform(platform):
             return slots.step_call(batch).trace()
 
     where = f"batch={batch} cache={slots.length}"
-    return [
-        (f"server/prefill/{mode} bucket={slots.bucket(prompt)} cache={slots.length}", prefill),
-        (f"server/insert/{mode} {where}", insert),
-        (f"server/step/{mode} k={slots.engine.k} {where}", step),
-    ]
+    programs = [(f"server/prefill/{mode} rows={r} piece={t} {where}", prefill(r, t)) for r, t in extremes]
+    return [*programs, (f"server/step/{mode} k={slots.engine.k} {where}", step)]

@@ -53,13 +53,13 @@ def test_run_refuses_a_device_this_machine_has_not():
 
 
 def test_the_server_programs_compile_and_run(target):
-    """`--job server`: what `python -m infer serve` runs (a request's prefill at its bucket, its insert
-    into the slots, a step over every slot), built over abstract weights and run on inputs of its shapes."""
-    programs = job_programs("server", ["parallel"], target, tokens=100, batch=4, k=3, cache_len=256)
+    """`--job server`: what `python -m infer serve` runs (its prefill calls at their extremes, a step
+    over every slot), built over abstract weights and run on inputs of its shapes."""
+    programs = job_programs("server", ["parallel"], target, tokens=128, batch=4, k=3, cache_len=256)
     names = [name for name, _ in programs]
     assert names == [
-        "server/prefill/parallel bucket=128 cache=256",
-        "server/insert/parallel batch=4 cache=256",
+        "server/prefill/parallel rows=1 piece=128 batch=4 cache=256",
+        "server/prefill/parallel rows=2 piece=64 batch=4 cache=256",
         "server/step/parallel k=3 batch=4 cache=256",
     ]
     for name, trace in programs:

@@ -19,6 +19,7 @@ ROWS, LENGTH = 3, 128  # one shape for every test: one compile of each program
 def decoder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("slots") / "target"
     hf_tiny.build("llama-gqa2-tied-llama3", folder)
+    hf_tiny.edit_config(folder, lambda c: c.update(max_position_embeddings=1024))  # long prompts; rope does not read it
     target = pj.load_target(folder, dtype="float32")
     return SpeculativeDecoder(target, pj.new_drafter(target, num_layers=1, mode="parallel", seed=1), k=K)
 
@@ -28,21 +29,19 @@ def params(n, temperature=0.0, top_p=1.0, seed=0) -> SamplingParams:
 
 
 def drain(slots: Slots, requests: list[tuple]) -> list[list[int]]:
-    """Every request through `slots`, admitted into free rows between steps, as a server does."""
+    """Every request through `slots`, admitted into free rows between steps and prefilled piece
+    by piece beside the decoding ones, as a server does."""
     got = [[] for _ in requests]
     waiting = list(range(len(requests)))
     while waiting or slots.holders:
-        for slot in slots.free():
-            if not waiting:
-                break
-            i = waiting.pop(0)
-            p = params(*requests[i][1:])
-            prefilled = slots.prefill([(requests[i][0], p, row_key(p.seed, 0))], [i])
-            got[i] += prefilled.news[0].ids
-            slots.insert(prefilled, [slot])
-        if slots.holders:
-            for news in slots.step():
-                got[news.holder] += news.ids
+        free = slots.free()
+        admitted, waiting = waiting[: len(free)], waiting[len(free) :]
+        asked = [(requests[i][0], params(*requests[i][1:])) for i in admitted]
+        slots.admit([(ids, p, row_key(p.seed, 0)) for ids, p in asked], admitted)
+        news = slots.prefill() if slots.filling else []
+        news += slots.step() if slots.running else []
+        for n in news:
+            got[n.holder] += n.ids
     return got
 
 
@@ -68,7 +67,8 @@ def test_sampled_rows_keep_their_draws_and_leave_greedy_rows_alone(decoder):
 
 def test_a_released_row_stops_and_its_slot_takes_the_next_prompt(decoder):
     slots = Slots(decoder.engine, ROWS, LENGTH)
-    slots.insert(slots.prefill([([5, 6], params(NEW), row_key(0, 0))], ["a"]), [0])
+    slots.admit([([5, 6], params(NEW), row_key(0, 0))], ["a"])
+    slots.prefill()
     before = slots.engine.read(slots.state, slots.start, 4)
     slots.release([0])
     assert slots.step(1) == [] and slots.free() == list(range(ROWS))
@@ -77,8 +77,38 @@ def test_a_released_row_stops_and_its_slot_takes_the_next_prompt(decoder):
     assert drain(slots, [([7, 8, 9], NEW)])[0] == decoder.generate([[7, 8, 9]], max_new_tokens=NEW).tokens[0]
 
 
+def test_long_prompts_prefilled_in_pieces_decode_as_each_prompt_alone(decoder):
+    """A prefill call runs at most 128 prompt tokens: prompts of up to 200 tokens go in pieces
+    (several prompts a call when they are short), beside rows that decode."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, hf_tiny.VOCAB, size=int(n)).tolist() for n in (200, 3, 130, 64, 65, 7)]
+    budgets = [NEW, NEW, 5, NEW, 1, NEW]
+    want = [decoder.generate([p], max_new_tokens=n).tokens[0] for p, n in zip(prompts, budgets)]
+    slots = Slots(decoder.engine, ROWS, 256, prefill_tokens=128)
+    assert drain(slots, [(p, n) for p, n in zip(prompts, budgets)]) == want
+    assert slots.shapes()["prefill"] == [(1, 64), (1, 128), (2, 64)]
+
+
+def test_a_request_asking_for_its_prompts_logprobs_gets_them_piece_by_piece(decoder):
+    prompt = [3 + i * 7 % 90 for i in range(147)]  # 147 tokens: three pieces of 64
+    slots = Slots(decoder.engine, ROWS, 256, prefill_tokens=64)
+    p = SamplingParams(4, prompt_logprobs=2)
+    slots.admit([(prompt, p, row_key(0, 0))], ["x"])
+    news = []
+    while not news:
+        news = slots.prefill()
+    got = news[0].prompt_logprobs
+    logits = np.asarray(decoder.target.forward(np.asarray([prompt])).logits[0], np.float64)
+    lsm = logits - logits.max(-1, keepdims=True)
+    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
+    assert len(got) == len(prompt) - 1
+    np.testing.assert_allclose([lp for lp, _ in got], lsm[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
+    assert [[t for t, _ in top] for _, top in got] == np.argsort(-lsm[:-1], axis=-1)[:, :2].tolist()
+
+
 def test_a_prompt_that_does_not_fit_is_refused(decoder):
     slots = Slots(decoder.engine, 1, 64)
     assert slots.max_new_tokens(64 - 2 * K - 2) == 0
     with pytest.raises(ValueError, match="does not fit the KV cache of 64 positions"):
-        slots.prefill([([1] * 60, params(10), row_key(0, 0))], [None])
+        slots.admit([([1] * 60, params(10), row_key(0, 0))], [None])
+    assert slots.free() == [0]

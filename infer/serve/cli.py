@@ -8,6 +8,7 @@ import argparse
 from infer.flags import add_model_flags
 from peagle_jax.cli import number_type, positive_int
 
+PREFILL_CHUNK = 512  # prompt tokens a prefill call runs at most (--prefill-chunk)
 port_number = number_type(int, 0, 65535, "a port number in [0, 65535]")
 seconds = number_type(float, 0.1, 86400.0, "seconds in [0.1, 86400]")
 
@@ -30,6 +31,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default=1,
         help="rounds run in one device call between admissions (a step ends early when a request "
         "finishes); more: fewer host round trips (small models), new requests wait up to that many rounds",
+    )
+    p.add_argument(
+        "--prefill-chunk",
+        type=positive_int,
+        default=PREFILL_CHUNK,
+        metavar="TOKENS",
+        help="the most prompt tokens one prefill call runs, over all the prompts it takes: a longer prompt is "
+        "prefilled in pieces between steps, so the decoding requests wait at most that long (rounded up to a "
+        "multiple of 64)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port_number, default=8000, help="port to listen on")

@@ -208,50 +208,73 @@ class Scheduler:
             self.on_failure(self.failure)
 
     def _next(self) -> bool:
-        """One step: admissions, releases, a step of rounds. False once closing."""
+        """One turn: admissions, releases, a piece of the waiting prompts, a step of rounds. False
+        once closing."""
         with self._wake:
             while not (self._closing or self._pending or self.slots.holders):
                 self._wake.wait()
             if self._closing:
                 return False
-            free = self.slots.free()
-            self._admitting = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
-        while self._admitting:
-            job = self._admitting[0]
-            if job.cancelled:
-                self.metrics.cancelled(job)
-            else:
-                self._admit(job, free)
-            self._admitting.pop(0)
+            count = min(len(self.slots.free()), len(self._pending))
+            self._admitting = [self._pending.popleft() for _ in range(count)]
+        self._admit()
         self._release_cancelled()
         self._gauges()
-        if self.slots.holders:
+        if self.slots.filling:
+            self._prefill()
+        if self.slots.running:
             self._step()
-            self._gauges()
+        self._gauges()
         return True
 
-    def _admit(self, job: Job, free: list[int]) -> None:
-        job.admitted = time.perf_counter()
-        try:  # the request's own work: its failure is the request's alone
+    def _admit(self) -> None:
+        """The admitted jobs into free slots; their prompts are prefilled from the next call on."""
+        while self._admitting:
+            job = self._admitting.pop(0)
+            if job.cancelled:
+                self.metrics.cancelled(job)
+                continue
+            job.admitted = time.perf_counter()
+            params = dataclasses.replace(job.params, prompt_logprobs=job.prompt_logprobs)
+            try:  # the HTTP side checked the sizes: a refusal here is this request's alone
+                self.slots.admit([(job.ids, params, row_key(job.params.seed, job.choice))], [job])
+            except ValueError as err:
+                self._fail(job, Failed(f"the request cannot be served ({cause(err)})", 500))
+
+    def _prefill(self) -> None:
+        """A piece of the waiting prompts, several requests in one call. A failure ends the
+        requests of that call (500) and the others go on, unless the slots' state is lost with
+        it (the device's failure: the loop ends)."""
+        rows, piece = self.slots.next_prefill()
+        try:
             self.faults.hit("prefill")
-            if job.prompt_logprobs is not None:
-                entries = self.slots.engine.prompt_logprobs(job.ids, job.prompt_logprobs)
-                job.emit(PromptLogprobs([None, *(TokenLogprob(lp, tuple(top)) for lp, top in entries)]))
-            prefilled = self.slots.prefill([(job.ids, job.params, row_key(job.params.seed, job.choice))], [job])
-        except Exception as err:  # noqa: BLE001 - any failure here ends this request, not the server
-            log.error("a request failed in its prefill (%d prompt tokens): %s", len(job.ids), cause(err))
-            self._fail(job, Failed(f"the request failed in its prefill ({cause(err)})", 500))
+            news = self.slots.prefill(rows, piece)
+        except Exception as err:  # noqa: BLE001 - the requests of this call end, the server goes on
+            if not self.slots.intact():
+                raise
+            jobs = [self.slots.holders[s] for s in rows]
+            log.error("%d requests failed in their prefill: %s", len(jobs), cause(err))
+            self.slots.release(rows)
+            for job in jobs:
+                self._fail(job, Failed(f"the request failed in its prefill ({cause(err)})", 500))
             return
-        self.metrics.first_token(job)
-        if self._deliver(prefilled.news[0]):
-            return
-        self.slots.insert(prefilled, [free.pop(0)])
+        for n in news:
+            job: Job = n.holder
+            self.metrics.first_token(job)
+            if n.prompt_logprobs is not None and not job.cancelled:
+                entries = [TokenLogprob(lp, tuple(top)) for lp, top in n.prompt_logprobs]
+                job.emit(PromptLogprobs([None, *entries]))
+            if self._deliver(n) and not n.done:  # cancelled meanwhile: its row would decode
+                self._release(job)
 
     def _release_cancelled(self) -> None:
         gone = [slot for slot, job in self.slots.holders.items() if job.cancelled]
         for slot in gone:
             self.metrics.cancelled(self.slots.holders[slot])
         self.slots.release(gone)
+
+    def _release(self, job: Job) -> None:
+        self.slots.release([s for s, held in self.slots.holders.items() if held is job])
 
     def _step(self) -> None:
         self.faults.hit("step")
@@ -265,7 +288,7 @@ class Scheduler:
                 self.metrics.acceptance.observe(len(n.ids) / n.rounds)
                 self.metrics.rounds_accepted(n.accepted)
             if self._deliver(n) and not n.done:  # cancelled meanwhile: its row still runs
-                self.slots.release([s for s, job in self.slots.holders.items() if job is n.holder])
+                self._release(n.holder)
         if rounds:
             self.metrics.per_round.observe(gained / rounds)
 

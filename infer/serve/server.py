@@ -34,7 +34,7 @@ from infer.serve.jobs import Served
 from infer.serve.metrics import ServerMetrics
 from infer.serve.scheduler import Scheduler
 from peagle_jax.cli import UsageError
-from peagle_jax.engine import Engine, SamplingParams, Slots, row_key
+from peagle_jax.engine import Engine, Slots
 
 GRACE_S = 5  # how long open connections may take to close once a stop was asked for
 EXIT_DEADLINE_S = GRACE_S + 10  # a failed device: the process is gone by then, whatever hangs
@@ -117,7 +117,8 @@ def build(args):
     name = args.served_model_name or model_name(args.target)
     scheduler = Scheduler(slots, args.max_queue, ServerMetrics(engine.k, slots.batch, name, slots.length))
     status(
-        f"loaded in {time.perf_counter() - t0:.1f}s; compiling the steps, the insert and the first prompt bucket ..."
+        f"loaded in {time.perf_counter() - t0:.1f}s; compiling every prefill piece and step a request may take "
+        f"({len(slots.shapes()['prefill'])} + {len(slots.shapes()['step'])} programs) ..."
     )
     t0 = time.perf_counter()
     warm_up(slots)
@@ -129,7 +130,7 @@ def build(args):
 def allocate(args, engine: Engine) -> Slots:
     """The slots, or one line naming the flags that size them when the device cannot hold them."""
     try:
-        slots = Slots(engine, args.max_batch, args.max_len, args.rounds_per_step)
+        slots = Slots(engine, args.max_batch, args.max_len, args.rounds_per_step, prefill_tokens=args.prefill_chunk)
         jax.block_until_ready(slots.state)  # the allocation fails here, not at the first request
         return slots
     except Exception as err:  # noqa: BLE001 - XLA's out-of-memory is a RuntimeError subclass of its own
@@ -143,13 +144,8 @@ def allocate(args, engine: Engine) -> Slots:
 
 
 def warm_up(slots: Slots) -> None:
-    """Compiles what every request runs (its prefill at the first bucket, its insert, a step at
-    each row count), on a slot left free again."""
-    params = SamplingParams(2, ignore_eos=True)  # its first token cannot end it: the insert runs
-    slots.insert(slots.prefill([([0], params, row_key(0, 0))], [None]), [0])
-    slots.release([0])
-    for rows in slots.row_counts():
-        slots.step(rows)
+    """Compiles every shape a request may take (each prefill piece, each step), before serving."""
+    slots.warm_up()
 
 
 def serve(args) -> int:

@@ -156,14 +156,15 @@ class Slots:
     def prefill_call(self, slots: list[int] | None = None, piece: int | None = None) -> Call:
         """The next prefill call's program and arguments: a piece of each filling slot's prompt
         (the first admitted first; `slots` / `piece`: those, at that piece length)."""
-        rows, pieces = self._next_pieces() if slots is None else (slots, piece)
+        rows, pieces = self.next_prefill() if slots is None else (slots, piece)
         count = self.rows_for(len(rows))
         chunk, params, keys = self._chunk(rows, pieces, count)
         sampling = self.engine.sampling(params, count, keys, **self.widths)
         return self.engine.extend_call(self.state, np.array(rows + [self.batch] * (count - len(rows))), chunk, sampling)
 
-    def _next_pieces(self) -> tuple[list[int], int]:
-        """The filling slots the next call takes, and its piece length."""
+    def next_prefill(self) -> tuple[list[int], int]:
+        """The filling slots the next prefill call takes (the first admitted first), and its piece
+        length."""
         rows = list(self.filling)[: max(self.prefill_rows())]
         limit = self.piece_limit(self.rows_for(len(rows)))
         longest = max(min(len(self.filling[s].ids) - self.filling[s].done, limit) for s in rows)
@@ -187,10 +188,16 @@ class Slots:
         arrays = (jax.numpy.asarray(x) for x in (tokens, start, length, after, final, budget))
         return sp.Chunk(*arrays), params, keys
 
-    def prefill(self) -> list[News]:
-        """One prefill call: a piece of the filling prompts. The news of each request whose prompt
-        is done (its first token; done already when that token ends it: its slot is free again)."""
-        rows, piece = self._next_pieces()
+    def intact(self) -> bool:
+        """Whether the state is still there (a call that failed after taking it leaves it deleted)."""
+        return not any(x.is_deleted() for x in jax.tree.leaves(self.state) if isinstance(x, jax.Array))
+
+    def prefill(self, rows: list[int] | None = None, piece: int | None = None) -> list[News]:
+        """One prefill call: a piece of the filling prompts (`rows` / `piece`: as `next_prefill`
+        gives them). The news of each request whose prompt is done (its first token; done already
+        when that token ends it: its slot is free again)."""
+        if rows is None:
+            rows, piece = self.next_prefill()
         self.state, prompt_lp = self.prefill_call(rows, piece).run()
         tokens = self.engine.read(self.state, np.zeros((self.batch,), np.int32), 1)
         asked = any(self.filling[s].params.prompt_logprobs is not None for s in rows)

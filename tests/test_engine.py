@@ -77,17 +77,6 @@ def test_logprobs_are_the_targets_log_softmax_at_each_token(decoder, target):
             np.testing.assert_allclose([v for _, v in top], np.sort(row)[::-1][:4], atol=1e-4)
 
 
-def test_prompt_logprobs_are_the_targets_log_softmax(decoder, target):
-    prompt = prompts(1, seed=2)[0]
-    got = decoder.engine.prompt_logprobs(prompt, 2)
-    logits = np.asarray(target.forward(np.asarray([prompt])).logits[0], np.float64)
-    lsm = logits - logits.max(-1, keepdims=True)
-    lsm -= np.log(np.exp(lsm).sum(-1, keepdims=True))
-    assert len(got) == len(prompt) - 1
-    np.testing.assert_allclose([lp for lp, _ in got], lsm[np.arange(len(prompt) - 1), prompt[1:]], atol=1e-4)
-    assert [[t for t, _ in top] for _, top in got] == np.argsort(-lsm[:-1], axis=-1)[:, :2].tolist()
-
-
 def plain_penalized(target, prompt, n, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
     """Greedy decoding under vLLM's penalties, one full forward a token (no cache, no engine)."""
     out = []

@@ -253,9 +253,9 @@ class Scheduler:
             if not self.slots.intact():
                 raise
             jobs = [self.slots.holders[s] for s in rows]
-            log.error("%d requests failed in their prefill: %s", len(jobs), cause(err))
             self.slots.release(rows)
             for job in jobs:
+                log.error("a request failed in its prefill (%d prompt tokens): %s", len(job.ids), cause(err))
                 self._fail(job, Failed(f"the request failed in its prefill ({cause(err)})", 500))
             return
         for n in news:

@@ -15,7 +15,7 @@ import time
 
 import uvicorn
 
-from infer.load import load_head, load_target
+from infer.load import load_head, load_target, mesh_words
 from infer.serve.app import Served, create_app
 from infer.serve.metrics import ServerMetrics
 from infer.serve.scheduler import Scheduler
@@ -79,7 +79,8 @@ def serve(args) -> int:
     scheduler.start()
     status(
         f"serving {served.model!r} on http://{args.host}:{args.port} ({scheduler.slots.batch} slots x "
-        f"{scheduler.slots.length} positions, k={scheduler.slots.engine.k}, mode {scheduler.slots.engine.mode})"
+        f"{scheduler.slots.length} positions, k={scheduler.slots.engine.k}, mode {scheduler.slots.engine.mode}, "
+        f"on {mesh_words(scheduler.slots.engine.target.mesh)})"
     )
     try:
         server.run()

@@ -27,12 +27,12 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, argv: list[str], log: Path, model: str):
+    def __init__(self, argv: list[str], log: Path, model: str, env=None):
         self.port, self.model, self.log = free_port(), model, log
         cmd = [sys.executable, "-m", "infer", "serve", *argv, "--port", str(self.port)]
         cmd += ["--served-model-name", model]
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env=dict(os.environ)
+            cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log.open("wb"), env={**os.environ, **(env or {})}
         )
         self.wait_ready()
 

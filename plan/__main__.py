@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from infer.flags import add_mesh_flags
 from peagle_jax.cli import OneLineParser, positive_int, run
 from peagle_jax.folders import atomic_write_text, unwritable
 
@@ -54,6 +55,7 @@ def parser() -> OneLineParser:
         "its step time and peak memory beside the plan's",
     )
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    add_mesh_flags(p)  # serving plans: the mesh `python -m infer serve` runs on with the same flags
     p.add_argument("--list", action="store_true", help="list the preset targets and exit")
     return p
 
@@ -78,7 +80,33 @@ def parse(argv):
     if args.layers is not None and args.layers < 3:  # EAGLE-3 features: 3 distinct target layers
         parser().error(f"--layers {args.layers}: at least 3 (the heads read 3 distinct target layers)")
     _check_work_flags(args)
+    _check_mesh_flags(args)
     return args
+
+
+def _check_mesh_flags(args) -> None:
+    """--tensor / --data / --devices auto (every device of --device) on a serving plan, checked as
+    `python -m infer serve` checks them: the devices there, the rows (--batch) that --data divides,
+    the target split by --tensor (`sharding.tensor_problem`). Resolved into `args.tensor`."""
+    from infer.load import mesh_flags
+    from peagle_jax.models.presets import target_config
+    from peagle_jax.sharding import tensor_problem
+
+    if args.tensor is None and args.devices is None and args.data == 1:
+        return
+    flags, count = mesh_flags(args), args.device.count
+    if args.job == "train":
+        parser().error(f"{flags}: a serving plan's mesh (--job serve or server); a train plan splits over fsdp")
+    if args.devices and count % args.data:
+        parser().error(f"{flags}: --data {args.data} does not divide the {count} devices of {args.device.name}")
+    args.tensor = count // args.data if args.devices else args.tensor or 1
+    if args.tensor * args.data > count:
+        parser().error(f"{flags}: needs {args.tensor * args.data} devices, {args.device.name} has {count}")
+    if args.batch and args.batch % args.data:
+        parser().error(f"--batch {args.batch}: not divisible by --data {args.data}")
+    why = tensor_problem(target_config(args.target, args.layers), args.tensor)
+    if why:
+        parser().error(f"{flags}: {why}")
 
 
 def _check_work_flags(args) -> None:

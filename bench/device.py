@@ -297,7 +297,11 @@ def cost_plan(run: Run) -> tuple[list[list[str]], dict]:
     mesh = cost_mesh(run, target)
     cmd = [sys.executable, "-m", "infer", "cost", "--target", target, "--drafter", "new", *mesh]
     load_format = "dummy" if run.smoke else run.args.load_format
-    cmd += ["--load-format", load_format, *(SMOKE_COST_FLAGS if run.smoke else COST_FLAGS)]
+    flags = list(SMOKE_COST_FLAGS if run.smoke else COST_FLAGS)
+    if run.args.data > 1:  # the rows are split over the data groups: the batches they divide, else one each
+        at = flags.index("--batch") + 1
+        flags[at] = ",".join(b for b in flags[at].split(",") if int(b) % run.args.data == 0) or str(run.args.data)
+    cmd += ["--load-format", load_format, *flags]
     return [cmd + ["--json", str(run.path("cost.json"))]], {"mesh": " ".join(mesh)}
 
 

@@ -220,6 +220,10 @@ def test_the_cost_stage_runs_on_every_device_the_target_splits_over(tmp_path):
     assert mesh(8) == "--tensor=4"  # its 4 heads do not split 8 ways
     assert mesh(8, "--tensor", "2", "--data", "4") == "--tensor=2 --data=4"
     assert mesh(8, "--devices", "auto", "--data", "2") == "--devices=auto --data=2"
+    run = _run(mod, tmp_path / "data3", "gpu", "--smoke", "--data", "3")
+    run.results["device"] = {"count": 6}
+    (cmd,), _ = mod.cost_plan(run)
+    assert cmd[cmd.index("--batch") + 1] == "3"  # --smoke's batch 1 does not split 3 ways: one row per group
 
 
 @pytest.mark.parametrize(

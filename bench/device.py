@@ -289,13 +289,40 @@ def target_folder(run: Run) -> str:
     return str(prepare(run.args.target)) if run.args.target in ASSETS else run.args.target
 
 
-def cost_plan(run: Run) -> list[list[str]]:
-    """`python -m infer cost` of --target with fresh heads (P-EAGLE and EAGLE-3): its rows (the
-    plain step and its roofline, each round, break-even acceptance, compile seconds) in DIR/cost.json."""
-    cmd = [sys.executable, "-m", "infer", "cost", "--target", target_folder(run), "--drafter", "new"]
+def cost_plan(run: Run) -> tuple[list[list[str]], dict]:
+    """`python -m infer cost` of --target with fresh heads (P-EAGLE and EAGLE-3) on the devices of
+    `cost_mesh`: its rows (the plain step and its roofline, each round, break-even acceptance,
+    compile seconds) in DIR/cost.json."""
+    target = target_folder(run)
+    mesh = cost_mesh(run, target)
+    cmd = [sys.executable, "-m", "infer", "cost", "--target", target, "--drafter", "new", *mesh]
     load_format = "dummy" if run.smoke else run.args.load_format
-    cmd += ["--load-format", load_format, *(SMOKE_COST_FLAGS if run.smoke else COST_FLAGS)]
-    return [cmd + ["--json", str(run.path("cost.json"))]]
+    flags = list(SMOKE_COST_FLAGS if run.smoke else COST_FLAGS)
+    if run.args.data > 1:  # the rows are split over the data groups: the batches they divide, else one each
+        at = flags.index("--batch") + 1
+        flags[at] = ",".join(b for b in flags[at].split(",") if int(b) % run.args.data == 0) or str(run.args.data)
+    cmd += ["--load-format", load_format, *flags]
+    return [cmd + ["--json", str(run.path("cost.json"))]], {"mesh": " ".join(mesh)}
+
+
+def cost_mesh(run: Run, target: str) -> list[str]:
+    """The cost stage's mesh flags: those given (--tensor, --data, --devices), else every device of
+    the machine, tensor-parallel (--devices auto), or for a target whose heads or vocabulary do not
+    split over them all (`sharding.tensor_problem`), the most devices they split over (--tensor T)."""
+    a = run.args
+    if a.tensor or a.devices or a.data > 1:
+        given = [f"--tensor={a.tensor}"] if a.tensor else [f"--devices={a.devices}"] if a.devices else []
+        return given + ([f"--data={a.data}"] if a.data > 1 else [])
+    from peagle_jax.sharding import tensor_problem
+    from peagle_jax.target import target_source
+
+    count = (run.results["device"] or {}).get("count") or 1
+    try:
+        config = target_source(target, "dummy")[0]  # config.json (or the preset) only
+    except (OSError, ValueError):  # the stage itself says what is wrong with the target
+        return ["--devices=auto"]
+    tensor = max(t for t in range(1, count + 1) if count % t == 0 and tensor_problem(config, t) is None)
+    return ["--devices=auto"] if tensor == count else [f"--tensor={tensor}"]
 
 
 def kernels_plan(run: Run, seconds: float):
@@ -428,7 +455,8 @@ def plan_stage(run: Run, name: str, seconds: float):
         cmds, skip = kernels_plan(run, seconds)
         return cmds, {}, skip, env
     if name == "cost":
-        return cost_plan(run), {}, None, env
+        cmds, plan = cost_plan(run)
+        return cmds, plan, None, env
     if name == "train_step":
         env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the longest that fits: most of the device
         return [_self(run, "train_step", seconds)], {}, None, env
@@ -516,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The flags, each checked before any stage runs: UsageError (one line naming the flag)."""
+    from infer.flags import add_mesh_flags
     from peagle_jax.cli import OneLineParser
     from peagle_jax.folders import unwritable
 
@@ -536,6 +565,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         choices=("auto", "dummy"),
         help="dummy: random weights, nothing to fetch (a bare machine); train_head and evaluate are skipped",
     )
+    add_mesh_flags(p)  # the cost stage's devices (default: every device of the machine)
     p.add_argument("--fail-stage", choices=STAGES, help="testing: make this stage's child fail")
     p.add_argument("--hang-stage", choices=STAGES, help="testing: make this stage's child hang past its budget")
     args = p.parse_args(argv)

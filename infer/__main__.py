@@ -12,8 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-from infer.flags import add_model_flags, k_list, mode_list
-from infer.load import load_head, load_target, new_head_layers, status, synthetic_lengths, target_config
+from infer.flags import add_mesh_flags, add_model_flags, k_list, mode_list
+from infer.load import (
+    check_mesh,
+    load_head,
+    load_target,
+    new_head_layers,
+    status,
+    synthetic_lengths,
+    target_config,
+)
 from infer.serve.cli import add_serve_args, run_serve
 from peagle_jax.cli import (
     DefaultsFormatter,
@@ -157,6 +165,7 @@ def _cost_parser(sub) -> None:
     )
     cost.add_argument("--reps", type=positive_int, default=10, help="timed calls per program (medians)")
     cost.add_argument("--json", dest="json_out", metavar="FILE", help="write the results here (after every row)")
+    add_mesh_flags(cost)
 
 
 def _check_cost(parser, args) -> argparse.Namespace:
@@ -321,6 +330,7 @@ def _dispatch(args) -> int:
     from peagle_jax.compile_cache import enable_compile_cache
 
     check_k(args)
+    check_mesh(args)
     args.compile_cache = enable_compile_cache()  # before the first compile
     if args.command == "cost":
         from infer import cost

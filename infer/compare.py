@@ -18,7 +18,7 @@ import time
 
 from tqdm import tqdm
 
-from infer.load import source_prompt_ids
+from infer.load import mesh_record, source_prompt_ids
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine.costs import round_breakdown
@@ -155,6 +155,7 @@ def run_bench(args, target, heads: list[Head], stop_token_ids=None) -> dict:
         deep_k=args.deep_k,
     )
     result["prompts"] = args.prompts
+    result["mesh"] = mesh_record(target.mesh)
     if len(result["runs"]) == 1:
         result.update({key: v for key, v in result["runs"][0].items() if key != "prompts"})
     _print(result)

@@ -4,7 +4,8 @@ the acceptance length a head must reach to pay off, before any head is trained.
 Per batch size: one plain decode step (mode none) after `--prompt-len` prompt tokens, and its
 HBM roofline (the bytes a step must read: the weights, less an untied embedding table of which
 one row is gathered, plus the filled KV cache; over the bandwidth a matrix-vector product
-reaches in the same run).
+reaches in the same run). On a mesh (--tensor, --data, --devices) the bytes are each device's:
+the weights over `tensor`, the rows of its data group, their KV heads over `tensor`.
 Per (mode, K, batch): the whole round, the drafter alone (half the drafts accepted), the
 target's verification of K+1 tokens alone (median ms), and the break-even acceptance length
 round / step (a head whose acceptance length is above it generates faster than plain decoding).
@@ -26,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from infer.load import synthetic_prompts
+from infer.load import mesh_record, synthetic_prompts
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine.costs import round_breakdown, round_timing
 from peagle_jax.folders import atomic_write_text
@@ -97,16 +98,20 @@ def read_bandwidth(nbytes: int, dtype, reps: int = 5) -> float:
 
 
 def step_bytes(target, batch: int, filled: int) -> int:
-    """The bytes one plain decode step must read: the weights (less an untied embedding table,
-    of which it gathers one row per token) and the KV cache of `filled` positions per row
-    (a sliding layer reads at most its window)."""
+    """The bytes one plain decode step must read on each device: the weights (less an untied
+    embedding table, of which it gathers one row per token) split over the mesh's `tensor`
+    devices, and the KV cache of `filled` positions of each row of its data group (a sliding layer
+    reads at most its window), split by KV heads over `tensor` where they divide."""
     c = target.config
+    mesh = target.mesh
+    tensor, data = (1, 1) if mesh is None else (mesh.shape["tensor"], mesh.shape["data"])
     weights = target.param_bytes
     if not c.tie_word_embeddings:
         weights -= c.vocab_size * c.hidden_size * target.dtype.itemsize
     per_token = 2 * c.num_kv_heads * c.head_dim * target.dtype.itemsize
     kv = sum(min(filled, c.window(i) or filled) for i in range(c.num_layers)) * per_token
-    return weights + batch * kv
+    kv_split = tensor if c.num_kv_heads % tensor == 0 else 1
+    return weights // tensor + -(-batch // data) * kv // kv_split
 
 
 def plain_row(target, report: Report, batch: int, prompts, reps: int, bandwidth: float) -> dict:
@@ -223,6 +228,7 @@ def run(args) -> dict:
         load_format=args.load_format,
         dtype=str(target.dtype),
         device=str(jax.devices()[0].device_kind),
+        mesh=mesh_record(target.mesh),
         jax=jax.__version__,
         prompt_lens=args.prompt_len,
         compile_cache=None if getattr(args, "compile_cache", None) is None else str(args.compile_cache),

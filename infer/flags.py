@@ -1,5 +1,6 @@
-"""The flags that name what a command runs (target, head, K, mode, weights, dtype), one definition
-for `generate`, `bench` and `serve`; and the list types the commands share."""
+"""The flags that name what a command runs (target, head, K, mode, weights, dtype) and the devices
+it runs on (the mesh), one definition for `generate`, `bench`, `cost` and `serve`; and the list
+types the commands share."""
 
 from __future__ import annotations
 
@@ -64,4 +65,33 @@ def add_model_flags(p: argparse.ArgumentParser, several: bool = False) -> None:
     )
     p.add_argument(
         "--deep-k", default="error", choices=["error", "warn"], help="k above the drafter's trained depth: fail or warn"
+    )
+    add_mesh_flags(p)
+
+
+def add_mesh_flags(p: argparse.ArgumentParser) -> None:
+    """--tensor, --data, --devices: the devices a command runs on (`infer.load.mesh_sizes` reads
+    them, `infer.load.check_mesh` checks them against the target and the machine)."""
+    devices = p.add_mutually_exclusive_group()
+    devices.add_argument(
+        "--tensor",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="tensor-parallel over N devices: the weights split by the sharding rule table (attention heads, MLP "
+        "width, vocabulary), each KV cache by KV heads (default 1)",
+    )
+    p.add_argument(
+        "--data",
+        type=positive_int,
+        default=1,
+        metavar="D",
+        help="data-parallel over D groups of --tensor devices: the rows (decode slots, a batch's prompts) split "
+        "over them, the weights replicated",
+    )
+    devices.add_argument(
+        "--devices",
+        choices=["auto"],
+        default=None,
+        help="auto: every local device, tensor-parallel (--tensor = the devices / --data)",
     )

@@ -36,13 +36,99 @@ def target_config(args):
     return target_source(args.target, args.load_format)[0]
 
 
+ROWS_FLAGS = {
+    "serve": ("--max-batch", "max_batch"),
+    "bench": ("--batch-size", "batch_size"),
+    "cost": ("--batch", "batch"),
+}
+
+
+def mesh_sizes(args) -> tuple[int, int]:
+    """(tensor, data) of --tensor, --data and --devices (auto: every local device over --data)."""
+    if args.devices == "auto":
+        import jax
+
+        return max(jax.local_device_count() // args.data, 1), args.data
+    return args.tensor or 1, args.data
+
+
+def mesh_flags(args) -> str:
+    """The mesh flags as the user gave them, to name them in an error."""
+    tensor = "--devices auto" if args.devices == "auto" else f"--tensor {args.tensor or 1}"
+    return tensor + (f" --data {args.data}" if args.data > 1 else "")
+
+
+def check_mesh(args) -> None:
+    """UsageError naming the flag when the mesh does not fit, before any weight is read: rows
+    (serve's slots, bench's and cost's batches) that --data does not divide, a target that
+    --tensor does not split (`sharding.tensor_problem`, from its config alone), more devices than
+    the machine has."""
+    from peagle_jax.cli import UsageError
+
+    flag, name = ROWS_FLAGS.get(args.command, (None, None))
+    rows = getattr(args, name) if name else []
+    for r in rows if isinstance(rows, list) else [rows]:
+        if r % args.data:
+            raise UsageError(
+                f"{flag} {r}: not divisible by --data {args.data} (the rows are split evenly over the data groups)"
+            )
+    import jax
+
+    tensor, data = mesh_sizes(args)
+    if args.devices == "auto" and jax.local_device_count() % data:
+        raise UsageError(
+            f"{mesh_flags(args)}: --data {data} does not divide the {jax.local_device_count()} local devices"
+        )
+    if tensor * data == 1:
+        return
+    from peagle_jax.sharding import tensor_problem
+    from peagle_jax.target import target_source
+
+    why = tensor_problem(target_source(args.target, "dummy")[0], tensor)  # config.json (or the preset) only
+    if why:
+        raise UsageError(f"{mesh_flags(args)}: {why}")
+    if tensor * data > jax.device_count():
+        raise UsageError(
+            f"{mesh_flags(args)}: needs tensor {tensor} x data {data} = {tensor * data} devices, "
+            f"this machine has {jax.device_count()}"
+        )
+
+
+def command_mesh(args):
+    """The (data, fsdp, tensor) mesh of the mesh flags; None on one device."""
+    tensor, data = mesh_sizes(args)
+    if tensor * data == 1:
+        return None
+    from peagle_jax.sharding import make_mesh
+
+    return make_mesh(tensor=tensor, data=data)
+
+
+def mesh_words(mesh) -> str:
+    """A mesh for people: "1 device", "tensor 2 x data 2 (4 cpu devices)"."""
+    if mesh is None or mesh.size == 1:
+        return "1 device"
+    shape = " x ".join(f"{a} {mesh.shape[a]}" for a in ("tensor", "data", "fsdp") if mesh.shape[a] > 1)
+    return f"{shape} ({mesh.size} {mesh.devices.flat[0].platform} devices)"
+
+
+def mesh_record(mesh) -> dict:
+    """A mesh for a JSON report: its axes' sizes and devices."""
+    sizes = {a: 1 if mesh is None else int(mesh.shape[a]) for a in ("tensor", "data")}
+    return {**sizes, "devices": 1 if mesh is None else int(mesh.size)}
+
+
 def load_target(args):
+    """The target of --target, --load-format and --dtype, its weights on the mesh of the mesh
+    flags (`command_mesh`; the heads are placed beside it by the `Engine`)."""
     import peagle_jax as pj
 
+    mesh = command_mesh(args)
     how = "with dummy weights" if args.load_format == "dummy" else "..."
-    status(f"loading target {args.target} {how}")
+    where = "" if mesh is None else f" on {mesh_words(mesh)}"
+    status(f"loading target {args.target}{where} {how}")
     dtype = None if args.dtype == "auto" else args.dtype
-    return pj.load_target(args.target, dtype=dtype, load_format=args.load_format)
+    return pj.load_target(args.target, dtype=dtype, load_format=args.load_format, mesh=mesh)
 
 
 def load_head(spec: str, target, mode: str):

@@ -63,7 +63,8 @@ def dummy_params(cfg: TargetConfig, dtype="float32", seed: int = 0, mesh=None):
 
     graphdef, abstract = abstract_model(cfg, numpy_dtype(dtype))
     constants = _constants(graphdef, abstract)
-    shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh))) if mesh is not None else {}
+    placed = nnx.to_flat_state(state_shardings(abstract, mesh)) if mesh is not None else []
+    shardings = {path: sharding.get_value() for path, sharding in placed}  # each in its Variable
     key = jax.random.key(seed)
     leaves = []
     for i, (path, var) in enumerate(nnx.to_flat_state(abstract)):

@@ -61,6 +61,29 @@ def make_mesh(tensor: int | None = None, fsdp: int = 1, data: int = 1, devices=N
     return jax.sharding.Mesh(grid, AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
 
 
+def tensor_problem(config, tensor: int) -> str | None:
+    """Why `tensor`-way tensor parallelism would not split a target (a TargetConfig) as the rule
+    table means to, or None. The attention heads (q/o projections), the hidden size (a head's fc)
+    and the vocabulary (embedding rows, lm_head columns) must divide by it: the rule table would
+    leave them whole on every device. The KV heads may divide by it (each device holds its own)
+    or divide it (fewer KV heads than devices: each is kept by tensor / KV heads devices, as vLLM
+    does; the KV cache then lies whole on every device of a data group)."""
+    if tensor == 1:
+        return None
+    sizes = (
+        (config.num_heads, f"{config.num_heads} attention heads are"),
+        (config.hidden_size, f"hidden size {config.hidden_size} is"),
+        (config.vocab_size, f"vocabulary ({config.vocab_size} tokens) is"),
+    )
+    for n, what in sizes:
+        if n % tensor:
+            return f"the target's {what} not divisible by {tensor}"
+    kv = config.num_kv_heads
+    if kv % tensor and tensor % kv:
+        return f"the target's {kv} KV heads are neither divisible by {tensor} nor a divisor of it"
+    return None
+
+
 def spec_for(path: str, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
     """The PartitionSpec of one parameter: its rule, minus axes that do not divide it."""
     path = path.replace(".", "/")

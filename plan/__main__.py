@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from infer.flags import add_mesh_flags
 from peagle_jax.cli import OneLineParser, positive_int, run
 from peagle_jax.folders import atomic_write_text, unwritable
 
@@ -35,7 +36,12 @@ def parser() -> OneLineParser:
         "runs (its prefill calls of at most --tokens prompt tokens, as --prefill-chunk, and a step over --batch slots)",
     )
     p.add_argument("--modes", default=None, help="comma-separated modes (default: all of the job's)")
-    p.add_argument("--tokens", type=positive_int, default=4096, help="train: tokens per sequence; server: the prefill call's prompt tokens (serve's --prefill-chunk)")
+    p.add_argument(
+        "--tokens",
+        type=positive_int,
+        default=4096,
+        help="train: tokens per sequence; server: the prefill call's prompt tokens (serve's --prefill-chunk)",
+    )
     p.add_argument(
         "--batch", type=positive_int, default=None, help="sequences per step (train: devices) or rows (serve: 1)"
     )
@@ -54,6 +60,7 @@ def parser() -> OneLineParser:
         "its step time and peak memory beside the plan's",
     )
     p.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    add_mesh_flags(p)  # serving plans: the mesh `python -m infer serve` runs on with the same flags
     p.add_argument("--list", action="store_true", help="list the preset targets and exit")
     return p
 
@@ -80,6 +87,7 @@ def parse(argv):
     if args.layers is not None:
         _check_layers(args)
     _check_work_flags(args)
+    _check_mesh_flags(args)
     return args
 
 
@@ -94,6 +102,31 @@ def _check_layers(args) -> None:
         return
     if args.layers > have:
         parser().error(f"--layers {args.layers}: the target {args.target} has {have} layers (a plan takes 3 .. {have})")
+
+
+def _check_mesh_flags(args) -> None:
+    """--tensor / --data / --devices auto (every device of --device) on a serving plan, checked as
+    `python -m infer serve` checks them: the devices there, the rows (--batch) that --data divides,
+    the target split by --tensor (`sharding.tensor_problem`). Resolved into `args.tensor`."""
+    from infer.load import mesh_flags
+    from peagle_jax.models.presets import target_config
+    from peagle_jax.sharding import tensor_problem
+
+    if args.tensor is None and args.devices is None and args.data == 1:
+        return
+    flags, count = mesh_flags(args), args.device.count
+    if args.job == "train":
+        parser().error(f"{flags}: a serving plan's mesh (--job serve or server); a train plan splits over fsdp")
+    if args.devices and count % args.data:
+        parser().error(f"{flags}: --data {args.data} does not divide the {count} devices of {args.device.name}")
+    args.tensor = count // args.data if args.devices else args.tensor or 1
+    if args.tensor * args.data > count:
+        parser().error(f"{flags}: needs {args.tensor * args.data} devices, {args.device.name} has {count}")
+    if args.batch and args.batch % args.data:
+        parser().error(f"--batch {args.batch}: not divisible by --data {args.data}")
+    why = tensor_problem(target_config(args.target, args.layers), args.tensor)
+    if why:
+        parser().error(f"{flags}: {why}")
 
 
 def _check_work_flags(args) -> None:

@@ -28,7 +28,14 @@ from peagle_jax.engine import Engine, Slots
 from peagle_jax.models.drafter import abstract_drafter, flat_state, param_key
 from peagle_jax.plan.launches import Launches, count_launches
 from peagle_jax.plan.roofline import gathered_bytes, jaxpr_flops
-from peagle_jax.sharding import AXES, kernels_partitioned, role_sharding, state_shardings, tree_shardings
+from peagle_jax.sharding import (
+    AXES,
+    kernels_partitioned,
+    make_mesh,
+    role_sharding,
+    state_shardings,
+    tree_shardings,
+)
 from peagle_jax.target import Target
 from peagle_jax.weights import abstract_model
 
@@ -60,9 +67,13 @@ class Program:
         return self.argument_bytes + self.temp_bytes + self.output_bytes - self.alias_bytes
 
 
-def mesh_of(devices, job: str = "serve") -> jax.sharding.Mesh:
+def mesh_of(devices, job: str = "serve", tensor: int | None = None, data: int = 1) -> jax.sharding.Mesh:
     """A (data, fsdp, tensor) mesh over topology devices: training splits sequences and weights
-    over fsdp (every device); serving splits heads over tensor within a host (fast links), rows over data."""
+    over fsdp (every device); serving splits heads over tensor within a host (fast links), rows over
+    data, or with `tensor` (and `data`) as `python -m infer serve --tensor N --data D` does
+    (`sharding.make_mesh` over the first N x D devices)."""
+    if tensor is not None:
+        return make_mesh(tensor=tensor, data=data, devices=devices)
     n = len(devices)
     shape = (1, n, 1) if job == "train" else (n // min(n, 8), 1, min(n, 8))
     grid = np.asarray(devices).reshape(shape)

@@ -137,13 +137,13 @@ def plan(args, device: Device, tcfg) -> dict:
     from kernels.limits import on_device
 
     devices = local_devices(device) if getattr(args, "run", False) else topology_devices(device)
-    hosts = len({d.process_index for d in devices})
-    device = dataclasses.replace(device, hosts=hosts)
+    mesh = mesh_of(devices, args.job, args.tensor, args.data)
+    used = list(mesh.devices.flat)  # --tensor x --data: maybe fewer than the machine's
+    device = dataclasses.replace(device, count=len(used), hosts=len({d.process_index for d in used}))
     print(f"{device.name}: {device.describe()}; target {tcfg.model_type} x {tcfg.num_layers} layers")
-    mesh = mesh_of(devices, args.job)
     target = abstract_target(tcfg, "bfloat16", mesh)
     modes = args.modes.split(",") if args.modes else MODES[args.job]
-    batch = args.batch or (mesh.shape["fsdp"] if args.job == "train" else 1)
+    batch = args.batch or (mesh.shape["fsdp"] if args.job == "train" else args.data)
     results, largest = [], {}
     with on_device(device.kind):
         for mode in modes:

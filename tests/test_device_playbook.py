@@ -203,12 +203,36 @@ def test_evaluate_plan_sizes_the_prompts_to_its_time(tmp_path):
     assert mod.evaluate_plan(run, 3600)[1]["prompts"] == 80  # all of MT-Bench
 
 
+def test_the_cost_stage_runs_on_every_device_the_target_splits_over(tmp_path):
+    """By default every device of the machine (--devices auto), or the most the target's heads
+    split over; the mesh flags given are passed on as they are."""
+    mod = _module()
+
+    def mesh(count: int, *flags: str) -> list[str]:
+        run = _run(mod, tmp_path / f"{count}{'-'.join(flags)}", "gpu", "--smoke", *flags)
+        run.results["device"] = {"count": count}
+        (cmd,), plan = mod.cost_plan(run)  # --smoke's tiny target: 4 attention heads, 2 KV heads
+        assert cmd[cmd.index("--target") + 1] == str(run.path("smoke-target"))
+        assert " ".join(cmd[cmd.index("--drafter") + 2 : cmd.index("--load-format")]) == plan["mesh"]
+        return plan["mesh"]
+
+    assert mesh(1) == mesh(4) == "--devices=auto"
+    assert mesh(8) == "--tensor=4"  # its 4 heads do not split 8 ways
+    assert mesh(8, "--tensor", "2", "--data", "4") == "--tensor=2 --data=4"
+    assert mesh(8, "--devices", "auto", "--data", "2") == "--devices=auto --data=2"
+    run = _run(mod, tmp_path / "data3", "gpu", "--smoke", "--data", "3")
+    run.results["device"] = {"count": 6}
+    (cmd,), _ = mod.cost_plan(run)
+    assert cmd[cmd.index("--batch") + 1] == "3"  # --smoke's batch 1 does not split 3 ways: one row per group
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--minutes", "0"], "--minutes must be positive"),
         (["--stages", "kernels,nope"], "unknown stage(s) nope"),
         (["--fail-stage", "nope"], "invalid choice"),
+        (["--tensor", "2", "--devices", "auto"], "argument --devices: not allowed with argument --tensor"),
     ],
 )
 def test_usage_errors_exit_2(tmp_path, flags, message):

@@ -32,6 +32,18 @@ BASE = ["--target", "Llama-3.1-8B", "--device", "h100"]
         (["--json", "/proc/plan.json"], "--json /proc/plan.json: folder /proc is not writable"),
         (["--json", "{tmp}"], "exists and is a folder, not a file"),
         (["--json", "{tmp}/file/plan.json"], "is a file, not a folder"),
+        (["--job", "server", "--tensor", "2"], "--tensor 2: needs 2 devices, h100 has 1"),
+        (["--job", "train", "--data", "2"], "--tensor 1 --data 2: a serving plan's mesh (--job serve or server)"),
+        (["--job", "server", "--device", "h100x8", "--tensor", "3"], "--tensor 3: the target's 32 attention heads"),
+        (
+            ["--job", "serve", "--device", "h100x8", "--data", "2", "--batch", "3"],
+            "--batch 3: not divisible by --data 2",
+        ),
+        (
+            ["--job", "server", "--device", "h100x8", "--devices", "auto", "--data", "3"],
+            "--data 3 does not divide the 8",
+        ),
+        (["--job", "server", "--tensor", "2", "--devices", "auto"], "argument --devices: not allowed with argument"),
     ],
 )
 def test_a_flag_no_program_can_use_is_one_line_and_exit_2(flags, says, tmp_path, capsys):

@@ -27,7 +27,7 @@ import jax
 import prometheus_client
 import uvicorn
 
-from infer.load import load_head, load_target
+from infer.load import load_head, load_target, mesh_words
 from infer.serve.app import create_app
 from infer.serve.guard import Access, Limits, timed_h11
 from infer.serve.jobs import Served
@@ -175,7 +175,8 @@ def serve(args) -> int:
     scheme = "https" if args.ssl_certfile else "http"
     status(
         f"serving {served.model!r} on {scheme}://{args.host}:{args.port} ({scheduler.slots.batch} slots x "
-        f"{scheduler.slots.length} positions, k={scheduler.slots.engine.k}, mode {scheduler.slots.engine.mode})"
+        f"{scheduler.slots.length} positions, k={scheduler.slots.engine.k}, mode {scheduler.slots.engine.mode}, "
+        f"on {mesh_words(scheduler.slots.engine.target.mesh)})"
     )
     warning = open_warning(args.host, access.keys)
     if warning:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import math
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -29,7 +28,7 @@ from peagle_jax.drafter_config import DrafterConfig
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
 from peagle_jax.engine.sampling import STOP_WIDTH, SamplingParams, row_key, sampling_rows
-from peagle_jax.sharding import ROLES, role_sharding, shard_state
+from peagle_jax.sharding import shard_state
 
 DEEP_K = ("error", "warn")
 
@@ -122,12 +121,11 @@ def _param_dtype(state):
 
 
 def _rows_on_mesh(mesh, *arrays):
-    """The arrays as device arrays, their rows split over the mesh's batch axes (data x fsdp, as the
-    train step splits its batch) when those divide them; else placed as jit places them."""
-    if mesh is not None:
-        shards = math.prod(mesh.shape[a] for a in ROLES["batch"][0])
-        if shards > 1 and arrays[0].shape[0] % shards == 0:
-            return tuple(jax.device_put(a, role_sharding(mesh, "batch", a.ndim)) for a in arrays)
+    """The arrays as device arrays, their rows split over the mesh as the state's rows are
+    (`speculative.row_axes`: data x fsdp, when they divide them); else placed as jit places them."""
+    axes = None if mesh is None else sp.row_axes(mesh, arrays[0].shape[0])
+    if axes is not None:
+        return tuple(jax.device_put(a, NamedSharding(mesh, P(axes))) for a in arrays)
     return tuple(jnp.asarray(a) for a in arrays)
 
 
@@ -321,21 +319,10 @@ class Engine:
         return _empty(self.config, *self.cache_specs(batch, length), vocab, sampling)
 
     def state_shardings(self, state: sp.DecodeState):
-        """Where a state's arrays live on the target's mesh: each KV cache split by rows over
-        `data` and by KV heads over `tensor` where they divide, the rest replicated (None: no mesh)."""
+        """Where a state's arrays live on the target's mesh (`speculative.state_placement`: rows over
+        `data`, each KV cache also by KV heads over `tensor`, where they divide); None: no mesh."""
         mesh = getattr(self.target, "mesh", None)  # a mesh of one device too: the plan's
-        if mesh is None:
-            return None
-        rows = state.done.shape[0]
-        data = "data" if mesh.shape["data"] > 1 and rows % mesh.shape["data"] == 0 else None
-
-        def place(x):
-            if x.ndim == 4:  # [rows, length, kv heads, head dim]
-                tensor = "tensor" if mesh.shape["tensor"] > 1 and x.shape[2] % mesh.shape["tensor"] == 0 else None
-                return NamedSharding(mesh, P(data, None, tensor, None))
-            return NamedSharding(mesh, P())
-
-        return jax.tree.map(place, state)
+        return None if mesh is None else sp.state_placement(mesh, state)
 
     def run_call(self, state: sp.DecodeState) -> Call:
         return Call(sp.jit_generate, (self.config, *self.modules(), state))
@@ -352,27 +339,28 @@ class Engine:
         return self.round_call(state).run()
 
     def step_call(self, state: sp.DecodeState, rounds: int = 1, rows: int | None = None) -> Call:
+        mesh = self.config.mesh
+        if mesh is not None and sp.row_axes(mesh, state.done.shape[0]) is not None:
+            rows = None  # rows split over devices: the first rows would be gathered from them; each device runs its own
         return Call(sp.jit_rounds, (self.config, *self.modules(), state, rounds, rows))
 
     def step(self, state: sp.DecodeState, rounds: int = 1, rows: int | None = None) -> sp.DecodeState:
         """Up to `rounds` rounds, ending after one in which a row finished, over the first `rows`
-        rows (None: all) when the others are free (the state is donated)."""
+        rows (None: all) when the others are free; over all of them when the rows are split over
+        devices (each runs its own: the first rows lie on a few of them). The state is donated."""
         return self.step_call(state, rounds, rows).run()
 
-    @staticmethod
-    def insert_call(state: sp.DecodeState, part: sp.DecodeState, slots) -> Call:
-        return Call(_insert, (state, part, jnp.asarray(slots, jnp.int32)))
+    def insert_call(self, state: sp.DecodeState, part: sp.DecodeState, slots) -> Call:
+        return Call(_insert, (state, part, jnp.asarray(slots, jnp.int32), self.config.mesh))
 
-    @staticmethod
-    def insert(state: sp.DecodeState, part: sp.DecodeState, slots) -> sp.DecodeState:
+    def insert(self, state: sp.DecodeState, part: sp.DecodeState, slots) -> sp.DecodeState:
         """`state` with row slots[i] replaced by `part`'s row i (slots[i] >= len(state): row i is
         not inserted); the state is donated."""
-        return Engine.insert_call(state, part, slots).run()
+        return self.insert_call(state, part, slots).run()
 
-    @staticmethod
-    def release(state: sp.DecodeState, rows: np.ndarray) -> sp.DecodeState:
+    def release(self, state: sp.DecodeState, rows: np.ndarray) -> sp.DecodeState:
         """`state` with the rows of the mask `rows` [B] done: they stop from the next round on."""
-        return _release(state, jnp.asarray(rows))
+        return _release(state, jnp.asarray(rows), self.config.mesh)
 
     def extend_call(self, state: sp.DecodeState, rows, chunk: sp.Chunk, sampling) -> Call:
         """`extend`'s program and arguments: `chunk` (a piece of each row's prompt) into rows
@@ -387,17 +375,20 @@ class Engine:
         return Tokens(np.asarray(start), out_len, done, tail, rounds, accepted, logprobs)
 
 
-_empty = jax.jit(sp.empty_state, static_argnums=(0, 1, 2, 3))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _empty(cfg: sp.EngineConfig, target_spec, drafter_spec, vocab: int, sampling) -> sp.DecodeState:
+    return sp.placed(cfg.mesh, sp.empty_state(cfg, target_spec, drafter_spec, vocab, sampling))
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _insert(state: sp.DecodeState, part: sp.DecodeState, slots) -> sp.DecodeState:
-    return jax.tree.map(lambda whole, rows: whole.at[slots].set(rows.astype(whole.dtype), mode="drop"), state, part)
+@functools.partial(jax.jit, static_argnums=(3,), donate_argnums=(0,))
+def _insert(state: sp.DecodeState, part: sp.DecodeState, slots, mesh) -> sp.DecodeState:
+    whole = jax.tree.map(lambda whole, rows: whole.at[slots].set(rows.astype(whole.dtype), mode="drop"), state, part)
+    return sp.placed(mesh, whole)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _release(state: sp.DecodeState, rows) -> sp.DecodeState:
-    return state._replace(done=state.done | rows)
+@functools.partial(jax.jit, static_argnums=(2,), donate_argnums=(0,))
+def _release(state: sp.DecodeState, rows, mesh) -> sp.DecodeState:
+    return sp.placed(mesh, state._replace(done=state.done | rows))
 
 
 @functools.partial(jax.jit, static_argnums=(2,))

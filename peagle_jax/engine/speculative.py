@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import kernels
 from peagle_jax.engine import cache as kv
@@ -41,7 +44,7 @@ from peagle_jax.engine.sampler import (
 )
 from peagle_jax.engine.sampling import Sampling
 from peagle_jax.models.drafter import draft_to_target
-from peagle_jax.sharding import kernels_partitioned
+from peagle_jax.sharding import ROLES, kernels_partitioned
 
 MODES = ("parallel", "chain", "dflash", "none")
 
@@ -385,6 +388,41 @@ def rounds_until_a_row_ends(cfg: EngineConfig, target, drafter, state: DecodeSta
     return jax.lax.while_loop(going, one, (jnp.int32(0), state))[1]
 
 
+# ---------------------------------------------------------------- placement on a mesh
+
+
+def row_axes(mesh: jax.sharding.Mesh, rows: int):
+    """The mesh axes a state of `rows` rows is split over by rows: the batch axes (data x fsdp,
+    as the prompts' rows) when they divide the rows, else None (every row on every device)."""
+    axes = tuple(a for a in ROLES["batch"][0] if mesh.shape[a] > 1)
+    if not axes or rows % math.prod(mesh.shape[a] for a in axes) != 0:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+def state_placement(mesh: jax.sharding.Mesh, state: DecodeState) -> DecodeState:
+    """Where a state's arrays live on `mesh`: every array split by rows over the batch axes
+    (`row_axes`), each KV cache [rows, length, KV heads, head dim] also by KV heads over `tensor`
+    where it divides them (else replicated over it)."""
+    rows = row_axes(mesh, state.done.shape[0])
+    tensor = mesh.shape["tensor"]
+
+    def place(x):
+        spec = [rows] + [None] * (x.ndim - 1)
+        if x.ndim == 4 and tensor > 1 and x.shape[2] % tensor == 0:
+            spec[2] = "tensor"
+        return NamedSharding(mesh, P(*spec))
+
+    return jax.tree.map(place, state)
+
+
+def placed(mesh: jax.sharding.Mesh | None, state: DecodeState) -> DecodeState:
+    """`state` (inside a jitted program) kept where `state_placement` puts it: every program that
+    returns a state returns it there, so a donated state is reused in place and the next call
+    finds the shardings it was compiled for (no compile on a server's loop)."""
+    return state if mesh is None else jax.lax.with_sharding_constraint(state, state_placement(mesh, state))
+
+
 # ---------------------------------------------------------------- jitted entry points
 # Graph definitions and the EngineConfig are static: one compile per (config, shapes).
 
@@ -412,7 +450,7 @@ def jit_prefill(
     """Allocates both caches (`peagle_jax.engine.cache` specs) and runs `prefill`."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     with kernels_partitioned(cfg.mesh):
-        return prefill(
+        state = prefill(
             cfg,
             target,
             drafter,
@@ -423,6 +461,7 @@ def jit_prefill(
             kv.allocate(drafter_cache_shape),
             sampling,
         )
+    return placed(cfg.mesh, state)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3), donate_argnums=(5,))
@@ -435,14 +474,15 @@ def jit_extend(cfg, target_def, target_state, drafter_def, drafter_state, state,
     part = jax.tree.map(lambda x: x[jnp.minimum(rows, last)], state)
     with kernels_partitioned(cfg.mesh):
         part, prompt_lp = extend(cfg, target, drafter, part, chunk, sampling)
-    return jax.tree.map(lambda whole, p: whole.at[rows].set(p, mode="drop"), state, part), prompt_lp
+    whole = jax.tree.map(lambda whole, p: whole.at[rows].set(p, mode="drop"), state, part)
+    return placed(cfg.mesh, whole), prompt_lp
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3), donate_argnums=(5,))
 def jit_generate(cfg, target_def, target_state, drafter_def, drafter_state, state) -> DecodeState:
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     with kernels_partitioned(cfg.mesh):
-        return generate_loop(cfg, target, drafter, state)
+        return placed(cfg.mesh, generate_loop(cfg, target, drafter, state))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 3), donate_argnums=(5,))
@@ -450,7 +490,7 @@ def jit_round(cfg, target_def, target_state, drafter_def, drafter_state, state) 
     """One round (benchmarks time it; `generate` runs them in a device loop)."""
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     with kernels_partitioned(cfg.mesh):
-        return decode_round(cfg, target, drafter, state)
+        return placed(cfg.mesh, decode_round(cfg, target, drafter, state))
 
 
 def first_rows(state: DecodeState, rows: int) -> DecodeState:
@@ -476,9 +516,9 @@ def jit_rounds(
     target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
     with kernels_partitioned(cfg.mesh):
         if rows is None or rows == state.done.shape[0]:
-            return rounds_until_a_row_ends(cfg, target, drafter, state, max_rounds)
+            return placed(cfg.mesh, rounds_until_a_row_ends(cfg, target, drafter, state, max_rounds))
         part = rounds_until_a_row_ends(cfg, target, drafter, first_rows(state, rows), max_rounds)
-        return put_rows(state, part, 0)
+        return placed(cfg.mesh, put_rows(state, part, 0))
 
 
 def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state, platform: str):
@@ -489,7 +529,7 @@ def lower_round(cfg, target_def, target_state, drafter_def, drafter_state, state
     def one_round(target_state, drafter_state, state):
         target, drafter = _modules(target_def, target_state, drafter_def, drafter_state)
         with kernels_partitioned(cfg.mesh):
-            return decode_round(cfg, target, drafter, state)
+            return placed(cfg.mesh, decode_round(cfg, target, drafter, state))
 
     with kernels.for_platform(platform):
         traced = jax.jit(one_round).trace(target_state, drafter_state, state)

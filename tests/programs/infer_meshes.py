@@ -41,15 +41,15 @@ def served(root: Path, requests: list, tensor: int, data: int) -> dict:
     slots = Slots(Engine(target, pj.load_drafter(root / "drafter"), k=K), 4, 128)
     got, waiting = [[] for _ in requests], list(range(len(requests)))
     while waiting or slots.holders:
-        for slot in slots.free()[: len(waiting)]:
-            i = waiting.pop(0)
+        admitted, waiting = waiting[: len(slots.free())], waiting[len(slots.free()) :]
+        for i in admitted:
             ids, n, temperature, seed = requests[i]
             params = SamplingParams(n, temperature, 0.95 if temperature else 1.0, seed=seed)
-            prefilled = slots.prefill([(ids, params, row_key(seed, 0))], [i])
-            got[i] += prefilled.news[0].ids
-            slots.insert(prefilled, [slot])
-        for news in slots.step(slots.batch) if slots.holders else []:  # every row: one compile
-            got[news.holder] += news.ids
+            slots.admit([(ids, params, row_key(seed, 0))], [i])
+        news = slots.prefill() if slots.filling else []
+        news += slots.step(slots.batch) if slots.running else []  # every row: one compile
+        for n in news:
+            got[n.holder] += n.ids
     spec = jax.tree.leaves(slots.state.target_cache)[0].sharding.spec
     return {"tokens": got, "cache_spec": [a if a is None or isinstance(a, str) else list(a) for a in spec]}
 

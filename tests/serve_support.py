@@ -51,6 +51,8 @@ class ServerProcess:
         self.port, self.model, self.log, self.tls = free_port(), model, log, tls
         self.headers = dict(headers or {})
         cmd = [sys.executable, "-m", "infer", "serve", *argv, "--port", str(self.port)]
+        if "--prefill-chunk" not in argv:  # fewer prefill shapes to compile at each test server's start
+            cmd += ["--prefill-chunk", "64"]
         if model is not None:
             cmd += ["--served-model-name", model]
         self.proc = subprocess.Popen(

@@ -59,7 +59,7 @@ def test_the_server_programs_compile_and_run(target):
     names = [name for name, _ in programs]
     assert names == [
         "server/prefill/parallel rows=1 piece=128 batch=4 cache=256",
-        "server/prefill/parallel rows=2 piece=64 batch=4 cache=256",
+        "server/prefill/parallel rows=4 piece=32 batch=4 cache=256",
         "server/step/parallel k=3 batch=4 cache=256",
     ]
     for name, trace in programs:

@@ -78,15 +78,26 @@ def test_a_released_row_stops_and_its_slot_takes_the_next_prompt(decoder):
 
 
 def test_long_prompts_prefilled_in_pieces_decode_as_each_prompt_alone(decoder):
-    """A prefill call runs at most 128 prompt tokens: prompts of up to 200 tokens go in pieces
-    (several prompts a call when they are short), beside rows that decode."""
+    """A prefill call runs at most 128 prompt tokens, and about a step's worth ((K + 1) x the
+    decoding rows) while rows decode: prompts of up to 200 tokens go in pieces (several prompts a
+    call when they are short), beside rows that decode."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, hf_tiny.VOCAB, size=int(n)).tolist() for n in (200, 3, 130, 64, 65, 7)]
     budgets = [NEW, NEW, 5, NEW, 1, NEW]
     want = [decoder.generate([p], max_new_tokens=n).tokens[0] for p, n in zip(prompts, budgets)]
     slots = Slots(decoder.engine, ROWS, 256, prefill_tokens=128)
     assert drain(slots, [(p, n) for p, n in zip(prompts, budgets)]) == want
-    assert slots.shapes()["prefill"] == [(1, 64), (1, 128), (2, 64)]
+    assert slots.shapes()["prefill"] == [
+        (1, 16),
+        (1, 32),
+        (1, 64),
+        (1, 128),
+        (2, 16),
+        (2, 32),
+        (2, 64),
+        (3, 16),
+        (3, 32),
+    ]
 
 
 def test_a_request_asking_for_its_prompts_logprobs_gets_them_piece_by_piece(decoder):

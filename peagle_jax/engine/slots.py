@@ -4,8 +4,8 @@ by piece and together, while the others decode.
 B rows of static KV caches (target and head) hold requests that come and go. `admit` gives a
 request a free slot; `prefill` runs one piece of the waiting prompts, several requests in one
 call (rows in powers of two), into their own slots (`Engine.extend`: chunked prefill), at most
-`prefill_tokens` prompt tokens a call, so a long prompt never stalls the decoding slots for
-longer than that; a request whose prompt is done has its first token and decodes from the next
+`prefill_tokens` prompt tokens a call, and about what a step verifies while others decode, so a
+long prompt never stalls the decoding slots for much more than a step; a request whose prompt is done has its first token and decodes from the next
 `step` on. A step (`Engine.step`) runs the rows up to the last busy one, rounded up to a power of
 two; finished, free and still-prefilling rows are frozen (position -1). Every shape a call may
 take is in `shapes()`, so a server compiles them all before it serves (`warm_up`). Each row
@@ -30,7 +30,15 @@ from peagle_jax.engine.sampling import SamplingParams
 SLOT_STOP_WIDTH = 32  # stop ids a slot's request may hold (its eos ids included)
 SLOT_BIAS_WIDTH = 300  # logit biases a slot's request may hold (OpenAI's limit)
 MAX_LOGPROBS = 20  # the most top log-probabilities a request may ask for (vLLM's default --max-logprobs)
-PIECE = kv.LENGTH_MULTIPLE  # prompt pieces are multiples of it: one compile per (rows, piece length)
+PIECE = 16  # the shortest prompt piece; pieces are powers of two: one compile per (rows, piece length)
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def _pow2_ceil(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +84,7 @@ class Slots:
     `Engine` that keeps what a request may ask for (MAX_LOGPROBS log-probabilities, token counts
     for penalties). A step runs up to `rounds_per_step` rounds in one device loop, ending early
     after a round in which a row finished. A prefill call runs at most `prefill_tokens` prompt
-    tokens (rows x piece length). `abstract`: the state is only its shapes and shardings (nothing
+    tokens (rows x piece length), about a step's worth while slots decode (`budget`). `abstract`: the state is only its shapes and shardings (nothing
     allocated), for the plan to compile the slots' programs (`*_call`) for a device not here."""
 
     def __init__(self, engine: Engine, batch: int, max_len: int, rounds_per_step: int = 1, *,
@@ -85,7 +93,7 @@ class Slots:
         self.batch = int(batch)
         self.length = kv.round_up(max_len, kv.LENGTH_MULTIPLE)
         self.rounds_per_step = int(rounds_per_step)
-        self.prefill_tokens = max(PIECE, kv.round_up(prefill_tokens or self.length, PIECE))
+        self.prefill_tokens = max(PIECE, _pow2_floor(prefill_tokens or self.length))
         self.widths = dict(stop_width=SLOT_STOP_WIDTH, bias_width=SLOT_BIAS_WIDTH)
         self.state = self.allocate(self.batch, abstract)
         self.start = np.zeros((self.batch,), np.int32)  # out positions already handed out
@@ -116,19 +124,29 @@ class Slots:
     def rows_for(self, n: int) -> int:
         return next(r for r in self.row_counts() if r >= n)
 
-    def prefill_rows(self) -> list[int]:
-        """The row counts a prefill call runs at: each row takes at least one piece."""
-        most = max(1, self.prefill_tokens // PIECE)
+    def budget(self) -> int:
+        """The prompt tokens the next prefill call may run: `prefill_tokens` while no slot decodes;
+        else about what a step verifies ((K + 1) x the decoding slots, a power of two), so a
+        prefill call stalls the decoding streams for about one step."""
+        running = len(self.running)
+        if not running:
+            return self.prefill_tokens
+        return max(PIECE, min(self.prefill_tokens, _pow2_floor((self.engine.k + 1) * running)))
+
+    def prefill_rows(self, budget: int | None = None) -> list[int]:
+        """The row counts a prefill call of `budget` prompt tokens runs at: each row takes at least
+        one piece."""
+        most = (budget or self.prefill_tokens) // PIECE
         return [r for r in self.row_counts() if r <= most] or [1]
 
-    def piece_limit(self, rows: int) -> int:
-        """The longest piece a prefill call of `rows` rows gives each (a multiple of PIECE)."""
-        return min(max(PIECE, self.prefill_tokens // rows // PIECE * PIECE), self.length)
+    def piece_limit(self, rows: int, budget: int | None = None) -> int:
+        """The longest piece (a power of two) a prefill call of `rows` rows gives each."""
+        return max(PIECE, min(_pow2_floor((budget or self.prefill_tokens) // rows), _pow2_floor(self.length)))
 
     def shapes(self) -> dict[str, list]:
         """Every shape a call takes: prefill (rows, piece length) and step rows."""
-        prefill = [(r, t) for r in self.prefill_rows() for t in range(PIECE, self.piece_limit(r) + 1, PIECE)]
-        return {"prefill": prefill, "step": self.row_counts()}
+        pieces = lambda r: [1 << i for i in range(PIECE.bit_length() - 1, self.piece_limit(r).bit_length())]  # noqa: E731
+        return {"prefill": [(r, t) for r in self.prefill_rows() for t in pieces(r)], "step": self.row_counts()}
 
     def free(self) -> list[int]:
         return [s for s in range(self.batch) if s not in self.holders]
@@ -164,11 +182,12 @@ class Slots:
 
     def next_prefill(self) -> tuple[list[int], int]:
         """The filling slots the next prefill call takes (the first admitted first), and its piece
-        length."""
-        rows = list(self.filling)[: max(self.prefill_rows())]
-        limit = self.piece_limit(self.rows_for(len(rows)))
-        longest = max(min(len(self.filling[s].ids) - self.filling[s].done, limit) for s in rows)
-        return rows, kv.round_up(longest, PIECE)
+        length, within `budget`."""
+        budget = self.budget()
+        rows = list(self.filling)[: max(self.prefill_rows(budget))]
+        limit = self.piece_limit(self.rows_for(len(rows)), budget)
+        longest = max(len(self.filling[s].ids) - self.filling[s].done for s in rows)
+        return rows, min(_pow2_ceil(max(longest, PIECE)), limit)
 
     def _chunk(self, rows: list[int], piece: int, count: int) -> tuple[sp.Chunk, list, list]:
         tokens = np.zeros((count, piece), np.int32)

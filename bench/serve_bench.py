@@ -60,7 +60,7 @@ def start_server(args, target: str, drafter: str, port: int, log) -> subprocess.
     cmd = [sys.executable, "-m", "infer", "serve", "--target", target, "--drafter", drafter, "--k", str(args.k)]
     cmd += ["--max-batch", str(args.max_batch), "--max-len", str(args.max_len), "--port", str(port)]
     cmd += ["--served-model-name", "bench", "--max-queue", str(4 * args.prompts)]
-    cmd += ["--rounds-per-step", str(args.rounds_per_step)]
+    cmd += ["--rounds-per-step", str(args.rounds_per_step), "--prefill-chunk", str(args.prefill_chunk)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
     while True:
         if proc.poll() is not None:
@@ -74,31 +74,40 @@ def start_server(args, target: str, drafter: str, port: int, log) -> subprocess.
             time.sleep(0.5)
 
 
-def stream_one(port: int, conversation, max_tokens: int) -> dict:
-    """One streaming chat request: its arrival-relative first and last token times and its tokens."""
-    body = {"model": "bench", "messages": conversation, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+def stream_one(port: int, prompt, max_tokens: int, **fields) -> dict:
+    """One streaming request, greedy: a chat (`prompt` a conversation) or a completion of token ids
+    (`prompt` a list of ints); `fields`: more of its body. Its arrival-relative first and last
+    token times, its tokens, and each event's (time, tokens) for inter-token latencies."""
+    ids = bool(prompt) and isinstance(prompt[0], int)
+    body = {"model": "bench", ("prompt" if ids else "messages"): prompt, "max_tokens": max_tokens}
+    body |= {
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    body |= fields
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     sent = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    path = "/v1/completions" if ids else "/v1/chat/completions"
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
-    first = last = None
-    tokens = 0
+    events, done = [], 0
     for line in resp:
         if not line.startswith(b"data: {"):
             continue
         event = json.loads(line[6:])
-        now = time.perf_counter()
-        if event["choices"] and event["choices"][0]["delta"].get("content"):
-            first = first or now
-            last = now
-        if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
+        usage = event.get("usage") or {}
+        if usage.get("completion_tokens", 0) > done:
+            events.append((time.perf_counter(), usage["completion_tokens"] - done))
+            done = usage["completion_tokens"]
     conn.close()
-    return {"ttft": first - sent, "decode": last - first, "tokens": tokens}
+    first, last = events[0][0], events[-1][0]
+    return {"sent": sent, "ttft": first - sent, "decode": last - first, "tokens": done, "events": events}
 
 
-def run_clients(port: int, prompts, clients: int, max_tokens: int) -> tuple[list[dict], float]:
-    """Every prompt once, from `clients` threads taking the next prompt as they finish one."""
+def run_clients(port: int, prompts, clients: int, max_tokens, **fields) -> tuple[list[dict], float]:
+    """Every prompt once, from `clients` threads taking the next prompt as they finish one;
+    `max_tokens`: one for all, or one per prompt (then with `ignore_eos`: exactly that many)."""
     todo, results, lock = list(range(len(prompts))), [], threading.Lock()
 
     def client():
@@ -107,7 +116,8 @@ def run_clients(port: int, prompts, clients: int, max_tokens: int) -> tuple[list
                 if not todo:
                     return
                 i = todo.pop(0)
-            res = stream_one(port, prompts[i], max_tokens)
+            n = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+            res = stream_one(port, prompts[i], n, **fields)
             with lock:
                 results.append(res)
 
@@ -159,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=256)
     p.add_argument("--k", type=int, default=3)
     p.add_argument("--rounds-per-step", type=int, default=1)
+    p.add_argument("--prefill-chunk", type=int, default=512, help="the server's --prefill-chunk")
     p.add_argument("--repeats", type=int, default=3, help="passes of each side, interleaved (tokens/s: the median)")
     p.add_argument(
         "--max-prompt-tokens", type=int, default=64, help="longer prompts are left out (one prompt bucket: one compile)"

@@ -292,6 +292,7 @@ class Slots:
         for rows in self.shapes()["step"]:
             self.state = self.step_call(rows).run()
         self.engine.read(self.state, self.start, self.rounds_per_step * (self.engine.k + 1))
+        self.state = self.engine.release(self.state, np.zeros((self.batch,), bool))
 
 
 def _entries(prompt_lp, row: int, count: int, top: int) -> list:

@@ -13,6 +13,7 @@ this handle. Defaults chosen by `new_drafter` when not given (reported in the co
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -102,6 +103,15 @@ class Drafter:
     def arrays(self) -> dict[tuple, np.ndarray]:
         """{path tuple: numpy array} of every variable (host copies)."""
         return {p: np.asarray(jax.device_get(v[...])) for p, v in flat_state(self.state).items()}
+
+    def fingerprint(self) -> str:
+        """A short content hash of the head's weights (its arrays in path order, with their shapes
+        and dtypes): which head a server runs, whatever folder it came from."""
+        digest = hashlib.sha256()
+        for path, array in sorted(self.arrays().items(), key=lambda item: str(item[0])):
+            digest.update(f"{path}{array.shape}{array.dtype}".encode())
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()[:12]
 
     def __repr__(self) -> str:
         c = self.config

@@ -110,6 +110,14 @@ def check_drafter(dcfg: DrafterConfig, tcfg: TargetConfig, mode: str, k: int, de
         warnings.warn(msg, stacklevel=4)
 
 
+RECORD_FIELDS = ("k_train", "verifier", "target_model_type", "dummy_target")  # what a head records, not its network
+
+
+def network_fields(config: DrafterConfig) -> list[str]:
+    """The DrafterConfig fields that shape a head's network (the others only record its training)."""
+    return [f.name for f in dataclasses.fields(config) if f.name not in RECORD_FIELDS]
+
+
 def _abstract(state) -> bool:
     """Whether a state is shapes only (the plan's weights), not arrays."""
     return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state))
@@ -229,6 +237,29 @@ class Engine:
             return self
         other = copy.copy(self)
         other.config = dataclasses.replace(self.config, logprobs=logprobs, penalties=penalties)
+        return other
+
+    def with_drafter(self, drafter) -> Engine:
+        """This engine drafting with `drafter`, a head of this one's network (the same shapes and
+        settings: only its weights and what it records of its training may differ), so the
+        compiled programs run it as they are: the new weights are an argument of the same
+        programs. ValueError naming what differs otherwise."""
+        old = self.drafter
+        if old is None:
+            raise ValueError("this engine drafts with no head (mode 'none')")
+        check_handles(self.target, drafter)
+        differ = [f for f in network_fields(old.config) if getattr(old.config, f) != getattr(drafter.config, f)]
+        if differ:
+            shown = ", ".join(f"{f} {getattr(old.config, f)!r} -> {getattr(drafter.config, f)!r}" for f in differ)
+            raise ValueError(f"the new head's network differs from the one being served: {shown}")
+        shapes = lambda state: jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), state)  # noqa: E731
+        if shapes(drafter.state) != shapes(old.state):
+            raise ValueError("the new head's weights do not have the served head's shapes and dtypes")
+        state = drafter.state
+        if self.config.mesh is not None:
+            state = jax.device_put(state, jax.tree.map(lambda x: x.sharding, old.state))  # where the old weights are
+        other = copy.copy(self)
+        other.drafter = type(old)(old.config, old.graphdef, state, path=getattr(drafter, "path", None))
         return other
 
     # ---------------------------------------------------------------- shapes

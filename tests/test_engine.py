@@ -195,3 +195,24 @@ def test_unknown_and_bad_settings_are_refused(decoder):
     with pytest.raises(ValueError, match="logit_bias: token id 999"):
         decoder.generate([[1, 2]], 4, logit_bias={999: 1.0})
     jax.clear_caches()  # nothing above compiled: refusals come first
+
+
+def test_a_head_of_the_same_network_swaps_in_without_a_compile(target, decoder):
+    """`Engine.with_drafter`: another head of the served network (other weights, other training
+    records) runs the compiled programs as they are; a head of another shape is refused by name."""
+    import dataclasses
+
+    ps = prompts(2, seed=7)
+    before = decoder.generate(ps, NEW).tokens  # compiles the programs of this shape
+    sizes = sp.jit_generate._cache_size(), sp.jit_prefill._cache_size()
+    other = pj.new_drafter(target, num_layers=1, mode="parallel", seed=9)
+    other.config = dataclasses.replace(other.config, k_train=5)  # a record, not the network
+    swapped = SpeculativeDecoder(target, decoder.drafter, k=K)
+    swapped.engine = decoder.engine.with_drafter(other)
+    assert swapped.generate(ps, NEW).tokens == before  # greedy: the target's, whoever drafts
+    assert (sp.jit_generate._cache_size(), sp.jit_prefill._cache_size()) == sizes
+    drafts = swapped.propose(ps[0])  # the new head's drafts, not the old one's
+    assert drafts == SpeculativeDecoder(target, other, k=K).propose(ps[0]) != decoder.propose(ps[0])
+    assert other.fingerprint() != decoder.drafter.fingerprint()
+    with pytest.raises(ValueError, match="num_layers 1 -> 2"):
+        decoder.engine.with_drafter(pj.new_drafter(target, num_layers=2, mode="parallel", seed=9))

@@ -8,6 +8,7 @@ them and answers (`infer.serve.respond`: a whole response or a stream).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -20,6 +21,7 @@ from infer.serve import jobs, respond
 from infer.serve.guard import Access, Count, Guard, Limits
 from infer.serve.jobs import Served
 from infer.serve.protocol import ApiError
+from infer.serve.scheduler import Closed
 
 log = logging.getLogger("infer.serve")
 RETRY_AFTER_S = "1"
@@ -71,6 +73,9 @@ def _routes(served: Served) -> FastAPI:
             )
         return _card(served)
 
+    if served.admin_keys:
+        _admin_routes(app, served)
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await _generate(served, request, chat=False)
@@ -83,13 +88,48 @@ def _routes(served: Served) -> FastAPI:
 
 
 def _card(served: Served) -> dict:
-    return {
+    card = {
         "id": served.model,
         "object": "model",
         "created": served.created,
         "owned_by": "peagle-jax",
         "max_model_len": served.max_len,
     }
+    if served.heads is not None:
+        card["head"] = served.heads.current.card()
+    return card
+
+
+def _admin_routes(app: FastAPI, served: Served) -> None:
+    """POST /v1/admin/head {"path": DIR}: the head swapped without a restart (`infer.serve.heads`)."""
+    keys = Access(served.admin_keys)
+
+    @app.post("/v1/admin/head")
+    async def head(request: Request):
+        if not keys.key_ok(request.headers.get("authorization", "")):
+            raise ApiError(401, "the admin key is required: 'Authorization: Bearer ADMIN_KEY'", code="invalid_api_key")
+        path = _head_path(await request.body())
+        if served.heads is None:
+            raise ApiError(400, "this server drafts with no head (--mode none): there is none to swap", "path")
+        before = served.heads.current
+        try:
+            now = await asyncio.get_running_loop().run_in_executor(None, served.heads.swap, path)
+        except Closed as err:
+            raise ApiError(503, str(err), code="shutting_down") from None
+        except (ValueError, OSError) as err:
+            message = " ".join(str(err).split())[:500]
+            raise ApiError(400, f"path: the head at {path[:200]!r} was not swapped in: {message}", "path") from None
+        return {"head": now.card(), "previous": before.card()}
+
+
+def _head_path(raw: bytes) -> str:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise ApiError(400, "the body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict) or not isinstance(body.get("path"), str) or not body["path"]:
+        raise ApiError(400, 'the body must be {"path": "a head folder or Hub id"}', "path")
+    return body["path"]
 
 
 def _error_handlers(app: FastAPI) -> None:

@@ -73,6 +73,12 @@ def _access_args(p: argparse.ArgumentParser) -> None:
         "--api-key-file", metavar="FILE", help="a file of keys, one a line (# comments and blank lines ignored)"
     )
     p.add_argument(
+        "--admin-key",
+        metavar="KEY",
+        help="the key of the admin routes (POST /v1/admin/head: swap the head without a restart); without it "
+        "they do not exist (also PEAGLE_ADMIN_KEY)",
+    )
+    p.add_argument(
         "--probes-need-key", action="store_true", help="/health and /metrics need the key too (default: open)"
     )
     p.add_argument(

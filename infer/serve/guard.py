@@ -27,6 +27,7 @@ from infer.serve.protocol import ApiError
 log = logging.getLogger("infer.serve")
 BODY_METHODS = ("POST", "PUT", "PATCH")
 PROBES = ("/health", "/metrics")
+ADMIN = "/v1/admin/"  # routes with a key of their own (--admin-key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,9 @@ class Access:
         return name.strip("[]").lower() in self.hosts
 
     def needs_key(self, path: str) -> bool:
+        """Whether `path` needs an API key (the admin routes check their own key)."""
+        if path.startswith(ADMIN):
+            return False
         return bool(self.keys) and (path == "/v1" or path.startswith("/v1/") or not self.open_probes)
 
     def key_ok(self, authorization: str) -> bool:

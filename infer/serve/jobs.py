@@ -35,6 +35,8 @@ class Served:
     max_len: int
     strict: bool = False  # unknown fields: 422 (else accepted and named in a warning)
     pool: concurrent.futures.Executor | None = None  # tokenizing and templating, off the event loop
+    heads: object | None = None  # `infer.serve.heads.Heads`: the head served and its swaps (None: mode none)
+    admin_keys: tuple[bytes, ...] = ()  # the admin routes' keys (none: the routes do not exist)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property

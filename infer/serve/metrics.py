@@ -72,11 +72,20 @@ class ServerMetrics:
         self.slots = Gauge(f"{PREFIX}_slots_in_use", "decode slots holding a request", registry=r)
         Gauge(f"{PREFIX}_slots", "decode slots (--max-batch)", registry=r).set(batch)
         self.vllm = _VllmMetrics(r, (model, "0"), k, max_len)
+        self.head_info = Gauge(
+            f"{PREFIX}_head_info", "the head being served (1): its folder's name and weights' hash", ["head", "fingerprint"],
+            registry=r,
+        )  # fmt: skip
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
 
     # ------------------------------------------------------------ what the scheduler reports
+
+    def head(self, name: str, fingerprint: str) -> None:
+        """The head now served: its series alone at 1."""
+        self.head_info.clear()
+        self.head_info.labels(name, fingerprint).set(1)
 
     def waiting(self, n: int) -> None:
         self.queue.set(n)

@@ -19,6 +19,7 @@ prefill or the Nth step raise, so that both failure paths can be driven through 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import logging
 import os
@@ -136,6 +137,7 @@ class Scheduler:
         self.faults = Faults(os.environ.get(FAULT_ENV))
         self._pending: collections.deque[Job] = collections.deque()
         self._admitting: list[Job] = []  # taken from the queue, not yet in a slot
+        self._swaps: list[tuple[object, concurrent.futures.Future]] = []  # engines to take between turns
         self._wake = threading.Condition()
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="device-loop", daemon=True)
@@ -168,6 +170,17 @@ class Scheduler:
             job.cancelled, job.cancel_reason = True, reason
             self._wake.notify()
 
+    def swap(self, engine, timeout: float = 600.0) -> None:
+        """Serves with `engine` (the served one with another head: `Engine.with_drafter`) from the
+        next turn on; returns once the device loop has taken it (Closed when it never will)."""
+        taken = concurrent.futures.Future()
+        with self._wake:
+            if self._closing or self.failure is not None:
+                raise Closed("the server is not serving: no head is swapped in")
+            self._swaps.append((engine, taken))
+            self._wake.notify()
+        taken.result(timeout)
+
     def begin_shutdown(self) -> None:
         """New requests are refused; the loop ends every waiting and running one with
         Failed(SHUTTING_DOWN, 503) and stops (returns at once: a signal handler calls it)."""
@@ -198,6 +211,9 @@ class Scheduler:
             self.failure = err
         with self._wake:
             self._closing = True
+            for _, taken in self._swaps:
+                taken.set_exception(Closed("the server stopped before the head was swapped in"))
+            self._swaps.clear()
             jobs = self._admitting + list(self._pending) + list(self.slots.holders.values())
             self._admitting = []
             self._pending.clear()
@@ -211,10 +227,14 @@ class Scheduler:
         """One turn: admissions, releases, a piece of the waiting prompts, a step of rounds. False
         once closing."""
         with self._wake:
-            while not (self._closing or self._pending or self.slots.holders):
+            while not (self._closing or self._pending or self.slots.holders or self._swaps):
                 self._wake.wait()
             if self._closing:
                 return False
+            for engine, taken in self._swaps:  # between two turns: no program is running
+                self.slots.engine = engine
+                taken.set_result(True)
+            self._swaps.clear()
             count = min(len(self.slots.free()), len(self._pending))
             self._admitting = [self._pending.popleft() for _ in range(count)]
         self._admit()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import ipaddress
 import logging
 import os
@@ -30,6 +31,7 @@ import uvicorn
 from infer.load import load_head, load_target, mesh_words
 from infer.serve.app import create_app
 from infer.serve.guard import Access, Limits, timed_h11
+from infer.serve.heads import Heads
 from infer.serve.jobs import Served
 from infer.serve.metrics import ServerMetrics
 from infer.serve.scheduler import Scheduler
@@ -39,6 +41,7 @@ from peagle_jax.engine import Engine, Slots
 GRACE_S = 5  # how long open connections may take to close once a stop was asked for
 EXIT_DEADLINE_S = GRACE_S + 10  # a failed device: the process is gone by then, whatever hangs
 KEY_ENV = "PEAGLE_API_KEY"
+ADMIN_KEY_ENV = "PEAGLE_ADMIN_KEY"
 TOKENIZER_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -124,6 +127,10 @@ def build(args):
     warm_up(slots)
     status(f"compiled in {time.perf_counter() - t0:.1f}s")
     served = Served(scheduler, target.tokenizer, name, target.config.vocab_size, slots.length, strict=args.strict)
+    if drafter is not None:
+        served.heads = Heads(scheduler, mode, args.drafter, drafter)
+    admin = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
+    served.admin_keys = (admin.encode(),) if admin else ()
     return served, scheduler
 
 
@@ -169,6 +176,7 @@ def serve(args) -> int:
     )
     server = StoppingServer(config)
     server.scheduler = scheduler
+    server.reload = None if served.heads is None else functools.partial(served.heads.reload, args.drafter)
     if args.on_device_failure == "exit":
         scheduler.on_failure = server.device_failed
     scheduler.start()
@@ -221,10 +229,17 @@ class StoppingServer(uvicorn.Server):
         watchdog.daemon = True
         watchdog.start()
 
+    reload = None  # SIGHUP: the head re-read from --drafter (`Heads.reload`)
+
+    def handle_hangup(self, sig, frame):
+        if self.reload is not None:
+            self.reload()
+
     @contextlib.contextmanager
     def capture_signals(self):
         stops = (signal.SIGINT, signal.SIGTERM)
         previous = {sig: signal.signal(sig, self.handle_exit) for sig in stops}
+        previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, self.handle_hangup)
         try:
             yield
         finally:

@@ -25,7 +25,7 @@ import numpy as np
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
 from peagle_jax.engine.engine import Call, Engine, Tokens
-from peagle_jax.engine.sampling import SamplingParams
+from peagle_jax.engine.sampling import SamplingParams, row_key
 
 SLOT_STOP_WIDTH = 32  # stop ids a slot's request may hold (its eos ids included)
 SLOT_BIAS_WIDTH = 300  # logit biases a slot's request may hold (OpenAI's limit)
@@ -293,6 +293,9 @@ class Slots:
             self.state = self.step_call(rows).run()
         self.engine.read(self.state, self.start, self.rounds_per_step * (self.engine.k + 1))
         self.state = self.engine.release(self.state, np.zeros((self.batch,), bool))
+        self.admit([([0], SamplingParams(1), row_key(0, 0))], [None])  # a request's own small programs too
+        while self.filling:
+            self.prefill()
 
 
 def _entries(prompt_lp, row: int, count: int, top: int) -> list:

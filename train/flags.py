@@ -25,6 +25,7 @@ from typing import Any
 from peagle_jax.cli import UsageError, one_line
 from train.checks import validate
 from train.config import PRESETS, TrainConfig
+from train.init_head import adopt_head
 
 __all__ = ["parse_args", "from_dict", "apply_dict", "field_names", "field_types", "read_file", "PROG"]
 
@@ -194,9 +195,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     base = from_dict(PRESETS[preset](), f"preset {preset}")
     base = dataclasses.replace(base, preset=preset)
     file = _pop(argv, "--config")
+    given = _flag_names(argv)  # what the user set, not the preset: model.init_head's settings give way only to these
     if file is not None:
-        base = apply_dict(base, read_file(file), f"--config {file}")
+        data = read_file(file)
+        base = apply_dict(base, data, f"--config {file}")
         base = dataclasses.replace(base, config=file)
+        given |= _dotted(data)
     if wants_help:  # the defaults shown are the preset's and the file's; other flags are not parsed
         argv = ["--help"]
     import tyro
@@ -216,7 +220,22 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         if e.code in (0, None):
             raise
         raise UsageError(_box_message(errors.getvalue())) from None
-    return validate(cfg)  # train.checks
+    cfg = validate(cfg)  # train.checks
+    return validate(adopt_head(cfg, given)) if cfg.model.init_head is not None else cfg
+
+
+def _flag_names(argv: Sequence[str]) -> set[str]:
+    """The dotted fields a command line sets ("--model.num-layers 2" -> "model.num_layers")."""
+    return {a[2:].split("=", 1)[0].replace("-", "_") for a in argv if a.startswith("--")}
+
+
+def _dotted(data: dict, prefix: str = "") -> set[str]:
+    """The dotted fields a --config file's nested mapping sets."""
+    out = set()
+    for key, value in data.items():
+        name = prefix + str(key)
+        out |= _dotted(value, name + ".") if isinstance(value, dict) else {name}
+    return out
 
 
 _BOOLS = {"true": "True", "yes": "True", "1": "True", "false": "False", "no": "False", "0": "False"}

@@ -24,6 +24,7 @@ from train import distributed as dist
 from train.checkpoint import Checkpoints
 from train.checks import INT_MAX, TrainError, check_target, check_target_fits, foreign_out
 from train.evaluate import heldout_rounds
+from train.init_head import adopt_head
 from train.metrics import MetricsLog
 from train.payoff import fastest_k, payoff
 from train.trainer import Hook, TimeBudget, Trainer, total_steps
@@ -128,11 +129,17 @@ def _unset_default(section: str, key: str, value):
 
 
 def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None, mesh=None) -> D.Dataset:
+    """The run's examples, split. A server's request log (`D.read_request_log`) is the target's
+    own answers: never regenerated, its newest conversations held out."""
     d = cfg.data
-    part = dict(split=d.split, subset=d.subset, revision=d.revision)  # of a Hub dataset
-    records = list(D.load_conversations(d.source, d.max_conversations, d.seed, **part))
+    served = D.read_request_log(Path(d.source), d.max_conversations) if D.is_request_log(d.source) else None
+    if served is None:
+        part = dict(split=d.split, subset=d.subset, revision=d.revision)  # of a Hub dataset
+        records = list(D.load_conversations(d.source, d.max_conversations, d.seed, **part))
+    else:
+        records = served.records
     regenerated = None
-    if d.regenerate:
+    if d.regenerate and served is None:
         from train.regenerate import regenerate_for
 
         regenerated = regenerate_for(cfg, records, target, out, mesh, cfg.loop.progress and dist.is_main())
@@ -144,10 +151,37 @@ def load_data(cfg: C.TrainConfig, tokenizer, out: Path, target=None, mesh=None) 
         too_long=d.too_long,
         bad_rows=d.bad_rows,
         regenerated=regenerated,
+        vocab=None if target is None else target.config.vocab_size,
     )
-    train, held = D.split(examples, d.heldout, d.seed)
+    if served is None:
+        train, held = D.split(examples, d.heldout, d.seed)
+    else:
+        train, held = D.split_newest(examples, d.heldout)
+        stats["request_log"] = {**served.stats, "regenerated": False}
     stats.update(train=len(train), heldout=len(held), train_tokens=int(sum(len(e.ids) for e in train)))
     return D.Dataset(train, held, stats)
+
+
+def served_notes(cfg: C.TrainConfig, stats: dict, tpath) -> list[str]:
+    """What the run says of a request log it trains on (nothing for other sources): its answers
+    are the target's own, so none is regenerated; a log of another target than model.target. The
+    latter is kept in the summary's data.request_log.target_note."""
+    served = stats.get("request_log")
+    if served is None:
+        return []
+    skipped = " (data.regenerate skipped)" if cfg.data.regenerate else ""
+    notes = [
+        f"data: a request log, {served['used']} requests ({served['duplicates']} duplicates dropped), the newest "
+        f"{stats['heldout']} held out: the target's own answers, not regenerated{skipped}"
+    ]
+    other = D.other_targets(served["targets"], cfg.model.target, tpath)
+    if other:
+        served["target_note"] = (
+            f"the request log {cfg.data.source} holds answers of {', '.join(other)}, not of model.target "
+            f"{cfg.model.target}: a head learns to draft for the target whose answers it reads"
+        )
+        notes.append(f"note: {served['target_note']}")
+    return notes
 
 
 class StopOnNonFinite(Hook):
@@ -253,6 +287,8 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     dist.setup(cfg.dist)  # before any JAX op: the devices of every process form one mesh
     from peagle_jax.sharding import device_mesh
 
+    cfg = adopt_head(cfg)  # model.init_head's settings, saved in OUT/config.json (the command line has them already)
+
     if dist.multi_process() and (cfg.data.cache_features or cfg.data.regenerate):
         raise TrainError("data.cache_features and data.regenerate run in one process only (dist.num_processes 1)")
     mesh = device_mesh(cfg.mesh.data, cfg.mesh.fsdp, cfg.mesh.tensor)
@@ -322,6 +358,8 @@ def _run(cfg: C.TrainConfig, hooks: Sequence[Hook], t0: float, mesh, out: Path, 
     log(f"target {tpath} loaded")
     check_interrupted()
     ds = load_data(cfg, target.tokenizer, out, target, mesh)
+    for line in served_notes(cfg, ds.stats, tpath):
+        log(line)
     log(f"data: {json.dumps(ds.stats)}")
     check_interrupted()
     if cfg.data.prepare_only:
@@ -487,6 +525,7 @@ def run_summary(cfg, trainer: Trainer, ds: D.Dataset, metrics: MetricsLog, tpath
     batches = (D.batch_examples(ds.train, s, dc.batch_size, dc.seed) for s in range(trainer.step))
     return {
         "mode": cfg.model.mode,
+        "init_head": cfg.model.init_head,
         "k_train": trainer.k,
         "target": str(tpath),
         "train_tokens": int(sum(len(e.ids) for b in batches for e in b)),

@@ -32,6 +32,7 @@ from train import distributed as dist
 from train.blocks import block_arrays, block_stats, make_block_batch
 from train.checkpoint import Checkpoints
 from train.checks import TrainError, check_target
+from train.init_head import adopt_head, load_head
 from train.metrics import add_stats, stats_record, step_stats
 from train.optim import learning_rate, make_optimizer
 from train.spec import TrainSpec
@@ -67,6 +68,28 @@ def layer_types(mc: C.ModelConfig) -> tuple[str, ...] | None:
     return tuple("full_attention" if i in full else "sliding_attention" for i in range(mc.num_layers))
 
 
+def fresh_head(mc: C.ModelConfig, target, token_counts=None):
+    """A new head of model's settings for `target` (`new_drafter`); its draft vocabulary the top
+    model.draft_vocab ids of `token_counts` [V] (the training data's supervised tokens)."""
+    import peagle_jax as pj
+
+    v = target.config.vocab_size
+    vd = C.draft_vocab_size(mc.draft_vocab, v)
+    vd = vd if vd < v else None  # None: the whole vocabulary
+    return pj.new_drafter(
+        target,
+        num_layers=mc.num_layers,
+        mode=mc.mode,
+        draft_vocab=vd,
+        seed=mc.seed,
+        mask_token_id=mc.mask_token_id,
+        k_train=mc.k_train,
+        token_counts=token_counts if vd else None,
+        dtype=mc.dtype,
+        **head_flags(mc),
+    )
+
+
 class Hook:
     """Called by `Trainer.fit`: `after_step` with the step's record (step = steps done), `at_end`
     once the last step is done (or the loop was left by an exception, `failed` True)."""
@@ -95,16 +118,16 @@ def total_steps(cfg: C.TrainConfig, n_train: int) -> int:
 
 
 class Trainer:
-    """A head for `target` trained by `cfg` over `steps` optimizer steps.
+    """A head for `target` trained by `cfg` over `steps` optimizer steps: a fresh one
+    (`fresh_head`), or model.init_head's (`train.init_head`: its settings adopted into cfg).
 
-    token_counts [V]: supervised token counts of the training data (the draft vocabulary is
-    their top model.draft_vocab ids). mesh: a (data, fsdp, tensor) Mesh; the state is placed on
-    it and batches are this process's rows (`rows`). `spec`: the run's step and batches
-    (`train.spec.TrainSpec`), built once here from cfg and the target."""
+    token_counts [V]: supervised token counts of the training data (a fresh head's draft
+    vocabulary is their top model.draft_vocab ids). mesh: a (data, fsdp, tensor) Mesh; the state
+    is placed on it and batches are this process's rows (`rows`). `spec`: the run's step and
+    batches (`train.spec.TrainSpec`), built once here from cfg and the target."""
 
     def __init__(self, cfg: C.TrainConfig, target, steps: int, *, token_counts=None, mesh=None):
-        import peagle_jax as pj
-
+        cfg = adopt_head(cfg)  # model.init_head's settings (the command line has them already)
         mc = cfg.model
         check_target(cfg, target, getattr(target, "path", "the target"))
         self.cfg, self.steps, self.step = cfg, steps, 0
@@ -113,21 +136,7 @@ class Trainer:
         self.dflash = mc.mode == "dflash"
         self.k = mc.block_size - 1 if self.dflash else mc.k_train  # drafts a round
         self.eval_k = min(7, self.k)
-        v = target.config.vocab_size
-        vd = C.draft_vocab_size(mc.draft_vocab, v)
-        vd = vd if vd < v else None  # None: the whole vocabulary
-        self.drafter = pj.new_drafter(
-            target,
-            num_layers=mc.num_layers,
-            mode=mc.mode,
-            draft_vocab=vd,
-            seed=mc.seed,
-            mask_token_id=mc.mask_token_id,
-            k_train=mc.k_train,
-            token_counts=token_counts if vd else None,
-            dtype=mc.dtype,
-            **head_flags(mc),
-        )
+        self.drafter = load_head(mc, target) if mc.init_head else fresh_head(mc, target, token_counts)
         # the teacher: the target's lm_head rows of the draft vocabulary, gathered once
         head_w = jax.numpy.asarray(target.embedding_arrays()[1][draft_vocab_ids(self.drafter.d2t)], self.drafter.dtype)
         # DFlash trains neither embed_tokens nor lm_head (speculators: the verifier's)

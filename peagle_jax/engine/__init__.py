@@ -11,7 +11,7 @@ reads a checkpoint format (`peagle_jax.formats`).
 """
 
 from peagle_jax.engine import cache, speculative
-from peagle_jax.engine.engine import DepthError, Engine, check_depth, largest_k
+from peagle_jax.engine.engine import DepthError, Engine, check_depth, check_drafter, largest_k
 from peagle_jax.engine.generation import (
     GenerationResult,
     SpeculativeDecoder,
@@ -35,6 +35,7 @@ __all__ = [
     "acceptance_stats",
     "cache",
     "check_depth",
+    "check_drafter",
     "check_vocab",
     "generate_greedy",
     "largest_k",

@@ -1,6 +1,6 @@
 """The formats: what vLLM, speculators and this project keep on disk for a head.
 
-Reading and writing heads (`read_drafter`, `write_own`, `export_vllm`, `export_speculators`),
+Reading and writing heads (`read_drafter`, its config alone `read_drafter_config`, `write_own`, `export_vllm`, `export_speculators`),
 their config.json facts (`read_vllm_config`, `read_speculators_config`), the lint that says
 what vLLM would trip on (`inspect_folder`, `format_report`), the serve command
 (`serve_command`) and what to run to serve a head (`serve_lines`; which engine release serves
@@ -14,6 +14,7 @@ _LAZY = {  # every name loads on first use: `python -m peagle_jax.formats.conver
     "export_speculators": "checkpoints",
     "export_vllm": "checkpoints",
     "read_drafter": "checkpoints",
+    "read_drafter_config": "checkpoints",
     "export_drafter": "convert",
     "head_kind": "head_config",
     "read_speculators_config": "head_config",
@@ -42,6 +43,7 @@ __all__ = [
     "refuse_head",
     "inspect_folder",
     "read_drafter",
+    "read_drafter_config",
     "read_speculators_config",
     "read_vllm_config",
     "serve_command",

@@ -52,7 +52,7 @@ from peagle_jax.dtypes import EXPORT, numpy_dtype
 from peagle_jax.folders import CONFIG_FILE, SINGLE_FILE, write_hf_folder
 from peagle_jax.formats.head_config import head_facts, read_speculators_config, read_vllm_config
 from peagle_jax.formats.head_config_write import speculators_config, vllm_config
-from peagle_jax.formats.own import OWN_CONFIG_FILE, read_own
+from peagle_jax.formats.own import OWN_CONFIG_FILE, read_own, read_own_config
 from peagle_jax.formats.serving import resolve_verifier, target_facts
 from peagle_jax.models.drafter import abstract_drafter, check_d2t, flat_state, t2d_from_d2t
 
@@ -60,6 +60,7 @@ __all__ = [
     "DrafterIOError",
     "detect_format",
     "read_drafter",
+    "read_drafter_config",
     "key_map",
     "checkpoint_key",
     "checkpoint_shape",
@@ -188,16 +189,24 @@ def read_drafter(path: str | os.PathLike, *, embeddings=None, target_weights=Non
     that ships no embed_tokens / lm_head takes (speculators saves neither for a full vocabulary;
     a draft vocabulary's lm_head rows are the target's at d2t)."""
     folder = Path(path)
+    if detect_format(folder) == "own":
+        return read_own(folder)
+    config = read_drafter_config(folder)
+    return config, _read_tensors(folder, config, TargetSource(embeddings, target_weights)), "float32"
+
+
+def read_drafter_config(path: str | os.PathLike) -> DrafterConfig:
+    """The DrafterConfig of a drafter folder in any format (`read_drafter`'s), no tensor read:
+    its shapes, mode and draft vocabulary size before the weights are loaded."""
+    folder = Path(path)
     fmt = detect_format(folder)
     if fmt == "own":
-        return read_own(folder)
+        return read_own_config(folder)[0]
     where = str(folder / CONFIG_FILE)
     raw = read_json(folder / CONFIG_FILE)
     if fmt == "speculators":
-        config = _verifier_aux_ids(read_speculators_config(raw, where), folder)
-    else:
-        config = read_vllm_config(raw, where)
-    return config, _read_tensors(folder, config, TargetSource(embeddings, target_weights)), "float32"
+        return _verifier_aux_ids(read_speculators_config(raw, where), folder)
+    return read_vllm_config(raw, where)
 
 
 @dataclasses.dataclass(frozen=True)

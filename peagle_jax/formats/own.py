@@ -27,6 +27,7 @@ __all__ = [
     "local_checkpointer",
     "write_own",
     "read_own",
+    "read_own_config",
 ]
 
 OWN_CONFIG_FILE = "drafter.json"
@@ -88,9 +89,8 @@ def write_own(
     return dest
 
 
-def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
-    from flax import nnx
-
+def read_own_config(path: Path) -> tuple[DrafterConfig, str]:
+    """(config, stored dtype) of our checkpoint's drafter.json, checked; no array is read."""
     cfg_file = path / OWN_CONFIG_FILE
     meta = read_json(cfg_file)
     if meta.get("format") != OWN_FORMAT:
@@ -98,7 +98,14 @@ def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
     if meta.get("version") != OWN_VERSION:
         raise ConfigError(f"{cfg_file}: unsupported version {meta.get('version')!r} (this build reads {OWN_VERSION})")
     config = DrafterConfig.from_dict(meta.get("config") or {}, f"{cfg_file} key 'config'")
-    stored = dtype_name(meta.get("dtype", "float32"))
+    return config, dtype_name(meta.get("dtype", "float32"))
+
+
+def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
+    from flax import nnx
+
+    cfg_file = path / OWN_CONFIG_FILE
+    config, stored = read_own_config(path)
     state_dir = path / OWN_STATE_DIR
     if not state_dir.is_dir():
         raise FileNotFoundError(f"{state_dir}: missing (a drafter checkpoint holds drafter.json and state/)")

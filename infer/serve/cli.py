@@ -11,6 +11,7 @@ from peagle_jax.cli import number_type, positive_int
 PREFILL_CHUNK = 512  # prompt tokens a prefill call runs at most (--prefill-chunk)
 port_number = number_type(int, 0, 65535, "a port number in [0, 65535]")
 seconds = number_type(float, 0.1, 86400.0, "seconds in [0.1, 86400]")
+share = number_type(float, 1e-9, 1.0, "a share in (0, 1]")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -37,9 +38,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=PREFILL_CHUNK,
         metavar="TOKENS",
-        help="the most prompt tokens one prefill call runs, over all the prompts it takes: a longer prompt is "
-        "prefilled in pieces between steps, so the decoding requests wait at most that long (rounded up to a "
-        "multiple of 64)",
+        help="the most prompt tokens one prefill call runs, over all the prompts it takes (a power of two; while "
+        "other requests decode, about what a step verifies): a longer prompt is prefilled in pieces between steps",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port_number, default=8000, help="port to listen on")
@@ -48,6 +48,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     _access_args(p)
     _limit_args(p)
+    _log_args(p)
     p.add_argument(
         "--strict",
         action="store_true",
@@ -117,3 +118,39 @@ def run_serve(args) -> int:
     from infer.serve.server import serve
 
     return serve(args)
+
+
+def _log_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-requests",
+        metavar="DIR",
+        help="append every finished request (its prompt, completion, token ids, sampling settings, finish reason, "
+        "the head's acceptance, its time; no client address or header) to a request log in DIR, what "
+        "`python -m train --data.source DIR` trains on (docs/serving.md: the request log); off by default",
+    )
+    p.add_argument(
+        "--log-sample",
+        type=share,
+        default=1.0,
+        metavar="F",
+        help="the share of requests --log-requests keeps, in (0, 1]",
+    )
+    p.add_argument(
+        "--log-shard-bytes",
+        type=shard_size,
+        default="64MB",
+        metavar="SIZE",
+        help="a request log shard is finished at this size (64MB, 500KB, 1GiB, ...)",
+    )
+
+
+def shard_size(text: str) -> int:
+    from peagle_jax.folders import parse_size
+
+    try:
+        size = parse_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if size < 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1KB")
+    return size

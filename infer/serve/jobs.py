@@ -37,6 +37,7 @@ class Served:
     pool: concurrent.futures.Executor | None = None  # tokenizing and templating, off the event loop
     heads: object | None = None  # `infer.serve.heads.Heads`: the head served and its swaps (None: mode none)
     admin_keys: tuple[bytes, ...] = ()  # the admin routes' keys (none: the routes do not exist)
+    recorder: object | None = None  # `infer.serve.recorder.Recorder` (--log-requests)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
 
     @property
@@ -52,6 +53,7 @@ class Served:
 class Prompt:
     ids: list[int]
     text: str  # what echo prepends: the text as sent, or the token ids decoded
+    sent: str | None = None  # the text as sent (None: token ids, or a conversation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +122,7 @@ def _prompt(served: Served, body: CompletionRequest, prompt) -> Prompt:
         text = served.tokenizer.decode(ids, skip_special_tokens=bool(body.skip_special_tokens)) if body.echo else ""
     if not ids:  # a text the tokenizer turns into nothing, or an empty list of ids
         raise ApiError(400, "prompt: the prompt has no tokens", "prompt")
-    return Prompt(ids, text)
+    return Prompt(ids, text, prompt if isinstance(prompt, str) else None)
 
 
 def _chat_prompt(served: Served, body: ChatRequest) -> Prompt:

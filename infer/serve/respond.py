@@ -47,6 +47,8 @@ class Choice:
     reason: str | None = None
     prompt_entries: list | None = None  # the prompt's logprobs (echo with logprobs)
     offset: int = 0  # characters of the tokens whose logprobs were sent (text_offset)
+    pieces: list[str] = dataclasses.field(default_factory=list)  # the completion's text so far
+    ids: list[int] = dataclasses.field(default_factory=list)  # its token ids so far
 
 
 class CallFailed(Exception):
@@ -117,6 +119,7 @@ class Call:
         updates = [self._echo(choice)] if choice.echo is not None else []
         if isinstance(event, Tokens):
             text = choice.text.add(event.ids)
+            choice.ids += event.ids
             reason = "stop" if choice.text.stopped else None
             if reason:  # a stop string: nothing more of this job is needed
                 self.served.scheduler.cancel(choice.job, "stop")
@@ -126,7 +129,10 @@ class Call:
             assert isinstance(event, Finished)
             reason = event.reason
             updates.append(Update(index, choice.text.finish(), None, reason))
+        choice.pieces.append(updates[-1].text)
         choice.reason = reason
+        if reason is not None and self.served.recorder is not None:
+            self.served.recorder.record(self.served, self, choice)
         return updates
 
     def _echo(self, choice: Choice) -> Update:

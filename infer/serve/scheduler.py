@@ -88,6 +88,8 @@ class Job:
     cancelled: bool = False
     cancel_reason: str = "abort"  # for the metrics: "stop" (a stop string) or "abort" (a client gone)
     generated: int = 0
+    rounds: int = 0  # the speculative rounds it took part in
+    accepted: object = None  # [K + 1] how many of its rounds accepted n drafts (numpy)
     admitted: float = 0.0  # when its prefill began
     last_tokens: float = 0.0  # when it last gained tokens (inter-token latency)
 
@@ -307,6 +309,9 @@ class Scheduler:
             if n.rounds:
                 self.metrics.acceptance.observe(len(n.ids) / n.rounds)
                 self.metrics.rounds_accepted(n.accepted)
+                job: Job = n.holder
+                job.rounds += n.rounds
+                job.accepted = n.accepted if job.accepted is None else job.accepted + n.accepted
             if self._deliver(n) and not n.done:  # cancelled meanwhile: its row still runs
                 self._release(n.holder)
         if rounds:

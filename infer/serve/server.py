@@ -34,6 +34,7 @@ from infer.serve.guard import Access, Limits, timed_h11
 from infer.serve.heads import Heads
 from infer.serve.jobs import Served
 from infer.serve.metrics import ServerMetrics
+from infer.serve.recorder import Recorder
 from infer.serve.scheduler import Scheduler
 from peagle_jax.cli import UsageError
 from peagle_jax.engine import Engine, Slots
@@ -131,6 +132,10 @@ def build(args):
         served.heads = Heads(scheduler, mode, args.drafter, drafter)
     admin = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     served.admin_keys = (admin.encode(),) if admin else ()
+    if args.log_requests:
+        served.recorder = Recorder(
+            args.log_requests, model_name(args.target), name, args.log_sample, args.log_shard_bytes
+        )
     return served, scheduler
 
 
@@ -194,6 +199,8 @@ def serve(args) -> int:
     finally:
         scheduler.shutdown()
         served.pool.shutdown(wait=False, cancel_futures=True)
+        if served.recorder is not None:
+            served.recorder.close()  # the last shard finished: nothing logged is lost
     if scheduler.failure is not None:
         status("stopped: the device failed (exit 1)")
         return 1

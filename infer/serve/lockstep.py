@@ -251,7 +251,8 @@ def follow(slots, limit: float) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, ask)
     channel, watchdog = Channel(), Watchdog(limit)
-    channel.warm_up()
+    with watchdog.guard("waiting for process 0 to serve"):
+        channel.warm_up()
     status(f"following process 0 (process {jax.process_index()} of {jax.process_count()})")
     while True:
         with watchdog.guard("waiting for process 0's next order"):

@@ -22,7 +22,7 @@ from infer.load import (
     synthetic_lengths,
     target_config,
 )
-from infer.serve.cli import add_serve_args, run_serve
+from infer.serve.cli import add_serve_args, dist_problem, join_processes, run_serve
 from peagle_jax.cli import (
     DefaultsFormatter,
     OneLineParser,
@@ -131,6 +131,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     if args.command in ("generate", "bench", "serve"):
         _check_paths(parser, args)
+    if args.command == "serve" and dist_problem(args):
+        parser.error(dist_problem(args))
     return args
 
 
@@ -330,6 +332,8 @@ def _dispatch(args) -> int:
     from peagle_jax.compile_cache import enable_compile_cache
 
     check_k(args)
+    if args.command == "serve":
+        join_processes(args)  # before check_mesh: the mesh flags count every process's devices
     check_mesh(args)
     args.compile_cache = enable_compile_cache()  # before the first compile
     if args.command == "cost":

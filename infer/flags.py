@@ -1,12 +1,13 @@
 """The flags that name what a command runs (target, head, K, mode, weights, dtype) and the devices
-it runs on (the mesh), one definition for `generate`, `bench`, `cost` and `serve`; and the list
-types the commands share."""
+it runs on (the mesh; serve's hosts: `--dist.*`), one definition for `generate`, `bench`, `cost`
+and `serve`; and the list types the commands share."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
-from peagle_jax.cli import positive_int
+from peagle_jax.cli import number_type, positive_int
 
 MODES = ("parallel", "chain", "dflash")
 
@@ -93,5 +94,45 @@ def add_mesh_flags(p: argparse.ArgumentParser) -> None:
         "--devices",
         choices=["auto"],
         default=None,
-        help="auto: every local device, tensor-parallel (--tensor = the devices / --data)",
+        help="auto: every device, tensor-parallel (--tensor = the devices / --data; across hosts: every process's)",
     )
+
+
+BOOL_WORDS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
+non_negative_int = number_type(int, 0, 1 << 20, "an integer >= 0")
+
+
+def bool_word(text: str) -> bool:
+    """An argparse type: true / false (yes / no, 1 / 0), as the trainer's flags take them."""
+    if text.lower() not in BOOL_WORDS:
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return BOOL_WORDS[text.lower()]
+
+
+DIST_KINDS = {  # how each field of peagle_jax.distributed.DistConfig is typed on the command line
+    "coordinator": dict(metavar="HOST:PORT"),
+    "num_processes": dict(type=positive_int, metavar="N"),
+    "process_id": dict(type=non_negative_int, metavar="I"),
+    "auto": dict(type=bool_word, nargs="?", const=True, metavar="true|false"),
+    "heartbeat_timeout": dict(type=positive_int, metavar="SECONDS"),
+    "initialization_timeout": dict(type=positive_int, metavar="SECONDS"),
+}
+
+
+def add_dist_flags(p: argparse.ArgumentParser) -> None:
+    """The trainer's `--dist.*` flags (their names, defaults and help: `peagle_jax.distributed`):
+    one run over several processes, one a host (`--dist.process-id` spelt with a dash too)."""
+    from peagle_jax.distributed import DistConfig, field_help
+
+    group = p.add_argument_group("several hosts (one process each, JAX multi-controller)")
+    for field in dataclasses.fields(DistConfig):
+        names = dict.fromkeys([f"--dist.{field.name}", f"--dist.{field.name.replace('_', '-')}"])
+        group.add_argument(*names, dest=f"dist_{field.name}", default=field.default, help=field_help()[field.name],
+                           **DIST_KINDS[field.name])  # fmt: skip
+
+
+def dist_config(args):
+    """The `DistConfig` of the `--dist.*` flags."""
+    from peagle_jax.distributed import DistConfig
+
+    return DistConfig(**{f.name: getattr(args, f"dist_{f.name}") for f in dataclasses.fields(DistConfig)})

@@ -44,11 +44,12 @@ ROWS_FLAGS = {
 
 
 def mesh_sizes(args) -> tuple[int, int]:
-    """(tensor, data) of --tensor, --data and --devices (auto: every local device over --data)."""
+    """(tensor, data) of --tensor, --data and --devices (auto: every device over --data: this
+    machine's, or every process's in a server across hosts)."""
     if args.devices == "auto":
         import jax
 
-        return max(jax.local_device_count() // args.data, 1), args.data
+        return max(jax.device_count() // args.data, 1), args.data
     return args.tensor or 1, args.data
 
 
@@ -75,9 +76,13 @@ def check_mesh(args) -> None:
     import jax
 
     tensor, data = mesh_sizes(args)
-    if args.devices == "auto" and jax.local_device_count() % data:
+    if args.devices == "auto" and jax.device_count() % data:
+        what = "local devices" if jax.process_count() == 1 else f"devices of the {jax.process_count()} processes"
+        raise UsageError(f"{mesh_flags(args)}: --data {data} does not divide the {jax.device_count()} {what}")
+    if jax.process_count() > 1 and tensor * data != jax.device_count():
         raise UsageError(
-            f"{mesh_flags(args)}: --data {data} does not divide the {jax.local_device_count()} local devices"
+            f"{mesh_flags(args)}: a server across {jax.process_count()} processes runs on all their "
+            f"{jax.device_count()} devices: tensor x data must be {jax.device_count()}, not {tensor * data}"
         )
     if tensor * data == 1:
         return
@@ -108,8 +113,11 @@ def mesh_words(mesh) -> str:
     """A mesh for people: "1 device", "tensor 2 x data 2 (4 cpu devices)"."""
     if mesh is None or mesh.size == 1:
         return "1 device"
+    import jax
+
     shape = " x ".join(f"{a} {mesh.shape[a]}" for a in ("tensor", "data", "fsdp") if mesh.shape[a] > 1)
-    return f"{shape} ({mesh.size} {mesh.devices.flat[0].platform} devices)"
+    hosts = f", {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    return f"{shape} ({mesh.size} {mesh.devices.flat[0].platform} devices{hosts})"
 
 
 def mesh_record(mesh) -> dict:

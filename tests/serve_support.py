@@ -146,3 +146,45 @@ def words_to_ids(text: str) -> list[int]:
 def shown(ids: list[int]) -> list[int]:
     """The ids the word tokenizer's text shows: its unknown token w0 is special, left out of text."""
     return [t for t in ids if t != 0]
+
+
+def mixed_requests(lengths=(3, 9, 17, 30)) -> list[tuple]:
+    """(prompt ids, max tokens, temperature, seed, stream): a prompt of each length, greedy and
+    sampled, streaming and not."""
+    import hf_tiny
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, hf_tiny.VOCAB, size=n).tolist() for n in lengths]
+    return [
+        (p, n, temperature, seed + i, stream)
+        for i, p in enumerate(prompts)
+        for n, temperature, seed, stream in ((12, 0.0, 0, False), (10, 0.0, 0, True), (12, 0.9, 100, False),
+                                             (10, 0.9, 200, True))
+    ]  # fmt: skip
+
+
+def alone(target, drafter: Path, k: int, requests) -> list[list[int]]:
+    """Each request's tokens from one-device `generate` of its prompt alone (seed s: row_key(s, 0))."""
+    import peagle_jax as pj
+    from infer import SpeculativeDecoder
+
+    dec = SpeculativeDecoder(target, pj.load_drafter(drafter), k=k, mode="parallel")
+    return [
+        dec.generate([p], max_new_tokens=n, temperature=t, top_p=0.95 if t else 1.0, seed=s).tokens[0]
+        for p, n, t, s, _ in requests
+    ]
+
+
+def ask(server, req) -> list[int]:
+    """The ids of a `mixed_requests` request's text, through /v1/completions (model "tiny")."""
+    ids, n, temperature, seed, stream = req
+    body = {"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": temperature, "seed": seed, "stream": stream}
+    body["top_p"] = 0.95 if temperature else 1.0
+    status, _, text = request(server, "POST", "/v1/completions", body)
+    assert status == 200, text
+    if stream:
+        events = sse_events(text)
+        assert events[-1] == "[DONE]"
+        return words_to_ids("".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]))
+    return words_to_ids(json.loads(text)["choices"][0]["text"])

@@ -38,6 +38,7 @@ def device_main(argv: list[str]) -> tuple[int, str]:
 
 TRAIN = ["train", "--preset", "tiny", "--loop.progress", "false"]
 BENCH = ["infer", "bench", "--target", "{root}/target", "--drafter", "{root}/head"]
+SERVE = ["infer", "serve", "--target", "{root}/target", "--drafter", "{root}/head"]
 EXPORT = ["peagle_jax.convert", "export", "{root}/head", "{out}/x", "--format", "vllm"]
 # (case, argv with {root} / {out}, what the error line says)
 CASES = [
@@ -96,6 +97,17 @@ CASES = [
         BENCH + ["--prompts", "{root}"],
         "--prompts '{root}': neither mtbench, humaneval, an existing JSONL file nor synthetic:LENGTHS",
     ),
+    (
+        "serve --dist.num_processes 2 without a coordinator",
+        SERVE + ["--dist.num_processes", "2"],
+        "dist.num_processes > 1 needs --dist.coordinator HOST:PORT (or --dist.auto true)",
+    ),
+    (
+        "serve --dist.process-id past the processes",
+        SERVE + ["--dist.coordinator", "127.0.0.1:1", "--dist.num_processes", "2", "--dist.process-id", "2"],
+        "dist.process_id must lie in [0, dist.num_processes)",
+    ),
+    ("serve --dist.auto maybe", SERVE + ["--dist.auto", "maybe"], "argument --dist.auto: expected true or false"),
     (
         "export --target no such folder",
         EXPORT + ["--target", "{out}/none"],

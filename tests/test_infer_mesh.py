@@ -18,12 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import hf_tiny
-import numpy as np
 import pytest
 import xla_env
 from in_process import run_module
 from limits import HANG_S
-from serve_support import ServerProcess, request, shown, sse_events, words_to_ids
+from serve_support import ServerProcess, alone, ask, mixed_requests, shown
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
@@ -36,19 +35,7 @@ SERVERS = {"tensor2-data2": ["--tensor", "2", "--data", "2"], "tensor4": ["--ten
 BENCH = ["--prompts", "synthetic:8,20", "--limit", "4", "--batch-size", "2", "--max-new-tokens", "8"]
 
 
-def _requests() -> list[tuple]:
-    """(prompt ids, max tokens, temperature, seed, stream): each prompt greedy and sampled, streaming and not."""
-    rng = np.random.default_rng(3)
-    prompts = [rng.integers(5, hf_tiny.VOCAB, size=n).tolist() for n in (3, 9, 17, 30)]
-    return [
-        (p, n, temperature, seed + i, stream)
-        for i, p in enumerate(prompts)
-        for n, temperature, seed, stream in ((12, 0.0, 0, False), (10, 0.0, 0, True), (12, 0.9, 100, False),
-                                             (10, 0.9, 200, True))
-    ]  # fmt: skip
-
-
-REQUESTS = _requests()
+REQUESTS = mixed_requests()
 
 
 class Started:
@@ -110,24 +97,7 @@ def started(assets):
 def reference(assets):
     """Each request's tokens from one-device `generate` of its prompt alone (seed s: row_key(s, 0))."""
     root, target = assets
-    dec = SpeculativeDecoder(target, pj.load_drafter(root / "drafter"), k=K, mode="parallel")
-    return [
-        dec.generate([p], max_new_tokens=n, temperature=t, top_p=0.95 if t else 1.0, seed=s).tokens[0]
-        for p, n, t, s, _ in REQUESTS
-    ]
-
-
-def _ask(server, req) -> list[int]:
-    ids, n, temperature, seed, stream = req
-    body = {"model": "tiny", "prompt": ids, "max_tokens": n, "temperature": temperature, "seed": seed, "stream": stream}
-    body["top_p"] = 0.95 if temperature else 1.0
-    status, _, text = request(server, "POST", "/v1/completions", body)
-    assert status == 200, text
-    if stream:
-        events = sse_events(text)
-        assert events[-1] == "[DONE]"
-        return words_to_ids("".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]))
-    return words_to_ids(json.loads(text)["choices"][0]["text"])
+    return alone(target, root / "drafter", K, REQUESTS)
 
 
 # ---------------------------------------------------------------- serve
@@ -137,7 +107,7 @@ def _ask(server, req) -> list[int]:
 def test_every_request_on_a_mesh_equals_generate_alone(started, reference, layout):
     server = started[0][layout].result()
     with ThreadPoolExecutor(len(REQUESTS)) as pool:  # more requests than slots: they queue and reuse slots
-        got = list(pool.map(lambda r: _ask(server, r), REQUESTS))
+        got = list(pool.map(lambda r: ask(server, r), REQUESTS))
     wrong = [i for i, (g, want) in enumerate(zip(got, reference)) if g != shown(want)]
     assert not wrong, [(i, REQUESTS[i][1:], got[i], reference[i]) for i in wrong]
     assert any(a != b for a, b in zip(reference[::4], reference[2::4]))  # the sampled requests did sample

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from peagle_jax.cli import UsageError
+from peagle_jax.distributed import checks as dist_checks
 from train.config import DEFAULT_DRAFT_VOCAB, draft_vocab_size
 
 __all__ = [
@@ -306,15 +307,7 @@ def _eval_mesh_checks(cfg) -> list[tuple[bool, str]]:
             all(n >= 1 or n == -1 for n in axes) and axes.count(-1) <= 1,
             "mesh.data, mesh.fsdp and mesh.tensor must be >= 1, at most one of them -1 (the rest of the devices)",
         ),
-        (
-            dc.num_processes >= 1 and 0 <= dc.process_id < dc.num_processes,
-            "dist.process_id must lie in [0, dist.num_processes)",
-        ),
-        (
-            dc.num_processes == 1 or dc.coordinator or dc.auto,
-            "dist.num_processes > 1 needs --dist.coordinator HOST:PORT (or --dist.auto true)",
-        ),
-        (dc.heartbeat_timeout >= 1 and dc.initialization_timeout >= 1, "dist timeouts must be >= 1 second"),
+        *dist_checks(dc),
     ]
 
 

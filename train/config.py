@@ -11,6 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from peagle_jax.distributed import DistConfig
+
 __all__ = [
     "TrainConfig",
     "PRESETS",
@@ -259,22 +261,6 @@ class MeshConfig:
     """Fully-sharded data-parallel devices: parameters, optimizer state and batch rows split over them."""
     tensor: int = 1
     """Tensor-parallel devices (attention heads, MLP width, vocabulary split over them)."""
-
-
-@dataclasses.dataclass
-class DistConfig:
-    coordinator: str | None = None
-    """host:port of process 0 for jax.distributed (several hosts); None = one process, unless auto."""
-    num_processes: int = 1
-    """Processes (hosts) in the run."""
-    process_id: int = 0
-    """This process's id, 0 .. num_processes-1 (process 0 writes metrics, checkpoints' metadata and exports)."""
-    auto: bool = False
-    """Let jax.distributed.initialize() detect the cluster (TPU pod slices, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS)."""
-    heartbeat_timeout: int = 100
-    """Seconds without a peer's heartbeat before the other processes stop with an error (a lost host)."""
-    initialization_timeout: int = 300
-    """Seconds to wait for every process to join."""
 
 
 @dataclasses.dataclass

@@ -1,5 +1,5 @@
-"""Several hosts through JAX's own runtime (`jax.distributed`): start-up and the few host-side
-collectives the loop needs.
+"""Several hosts through JAX's own runtime (`jax.distributed`): start-up (`peagle_jax.distributed`,
+shared with the server) and the few host-side collectives the loop needs.
 
 Every process runs the same program over the global device mesh (multi-controller JAX): it
 tokenizes the whole (small) dataset, builds only its own rows of each global batch and feeds
@@ -15,6 +15,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from peagle_jax import distributed
+
 __all__ = [
     "setup",
     "is_main",
@@ -27,31 +29,13 @@ __all__ = [
 ]
 
 
+# process 0 runs the final speculative evaluation alone while the others wait at shutdown
+SHUTDOWN_TIMEOUT_S = 3600
+
+
 def setup(dc) -> None:
     """`jax.distributed.initialize` when the run spans several processes (call before any JAX op)."""
-    if dc.num_processes == 1 and not dc.auto:
-        return
-    # CPU hosts need a collectives backend for cross-process all-reduces (GPU/TPU bring their own)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kw = dict(
-        heartbeat_timeout_seconds=dc.heartbeat_timeout,
-        initialization_timeout=dc.initialization_timeout,
-        # process 0 runs the final speculative evaluation alone while the others wait at shutdown
-        shutdown_timeout_seconds=3600,
-    )
-    where = (
-        "--dist.auto"
-        if dc.auto
-        else f"--dist.coordinator {dc.coordinator} (process {dc.process_id} of {dc.num_processes})"
-    )
-    try:
-        if dc.auto:
-            jax.distributed.initialize(**kw)
-        else:
-            jax.distributed.initialize(dc.coordinator, dc.num_processes, dc.process_id, **kw)
-    except Exception as e:  # noqa: BLE001 - a peer that never came, a bad address: one line naming the flags
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"jax.distributed.initialize failed for {where}: {msg}") from None
+    distributed.setup(dc, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
 
 
 def multi_process() -> bool:

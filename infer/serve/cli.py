@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from infer.flags import add_model_flags
+from infer.flags import add_dist_flags, add_model_flags, dist_config
 from peagle_jax.cli import number_type, positive_int
 
 PREFILL_CHUNK = 512  # prompt tokens a prefill call runs at most (--prefill-chunk)
@@ -60,6 +60,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
         default="exit",
         help="when the device loop fails: exit non-zero (a supervisor restarts the server), or stay up answering 503",
     )
+    add_dist_flags(p)
 
 
 def _access_args(p: argparse.ArgumentParser) -> None:
@@ -112,6 +113,24 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-connections", type=positive_int, default=512, help="open connections before new requests get 503"
     )
+
+
+SHUTDOWN_S = 60  # how long a stopped server's process waits for the others at the exit barrier
+
+
+def dist_problem(args) -> str | None:
+    """What is wrong with the --dist.* flags (one line), or None."""
+    from peagle_jax.distributed import checks
+
+    return next((rule for holds, rule in checks(dist_config(args)) if not holds), None)
+
+
+def join_processes(args) -> None:
+    """With --dist.*: this process joins the others (`jax.distributed`), before any JAX op: the mesh
+    flags then span every process's devices."""
+    from peagle_jax.distributed import setup
+
+    setup(dist_config(args), shutdown_timeout=SHUTDOWN_S)
 
 
 def run_serve(args) -> int:

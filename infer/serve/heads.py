@@ -39,8 +39,8 @@ class Heads:
     """The served head and its swaps (`swap` from a worker thread: it blocks until the device loop
     has taken the new head)."""
 
-    def __init__(self, scheduler, mode: str, spec: str, drafter):
-        self.scheduler, self.mode = scheduler, mode
+    def __init__(self, scheduler, mode: str, spec: str, drafter, swappable: bool = True):
+        self.scheduler, self.mode, self.swappable = scheduler, mode, swappable
         self.current = identity(spec, drafter)
         self._one = threading.Lock()
         scheduler.metrics.head(self.current.name, self.current.fingerprint)
@@ -48,6 +48,10 @@ class Heads:
     def swap(self, spec: str) -> HeadIdentity:
         """Loads the head at `spec`, checks it against the served network (ValueError naming what
         differs), and serves it from the next turn on."""
+        if not self.swappable:
+            raise ValueError(
+                "a server across hosts changes its head by a restart with --drafter (every process loads it)"
+            )
         with self._one:
             drafter = load_head(spec, self.scheduler.slots.engine.target, self.mode)
             engine = self.scheduler.slots.engine.with_drafter(drafter)

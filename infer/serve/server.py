@@ -8,6 +8,8 @@ beyond loopback and no key is set). Stop (SIGINT or SIGTERM): refuse new request
 in flight with an error event (503 "the server is shutting down"), close the connections, exit
 0. A device failure: every request ends with an error, the process exits 1 within seconds
 (`--on-device-failure exit`), or stays up answering 503 (`stay`) until it is stopped (exit 1).
+Across hosts (`--dist.*`): every process loads and compiles the same slots; process 0 serves and
+the others follow it call by call (`infer.serve.lockstep`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import jax
 import prometheus_client
 import uvicorn
 
+from infer.flags import dist_config
 from infer.load import load_head, load_target, mesh_words
+from infer.serve import lockstep
 from infer.serve.app import create_app
 from infer.serve.guard import Access, Limits, timed_h11
 from infer.serve.heads import Heads
@@ -106,8 +110,9 @@ def open_warning(host: str, keys) -> str | None:
     )
 
 
-def build(args):
-    """(Served, Scheduler): the model loaded, the slots built and compiled."""
+def load(args) -> Slots:
+    """The slots over the target and head, every shape a request may take compiled (every process
+    of a server across hosts does this)."""
     t0 = time.perf_counter()
     target = load_target(args)
     if target.tokenizer is None:  # responses are text: every request is detokenized
@@ -118,8 +123,6 @@ def build(args):
     slots = allocate(args, engine)
     if slots.max_new_tokens(1) < 1:
         raise UsageError(f"--max-len {args.max_len}: a slot cannot hold a 1-token prompt and one round of k={args.k}")
-    name = args.served_model_name or model_name(args.target)
-    scheduler = Scheduler(slots, args.max_queue, ServerMetrics(engine.k, slots.batch, name, slots.length))
     status(
         f"loaded in {time.perf_counter() - t0:.1f}s; compiling every prefill piece and step a request may take "
         f"({len(slots.shapes()['prefill'])} + {len(slots.shapes()['step'])} programs) ..."
@@ -127,9 +130,18 @@ def build(args):
     t0 = time.perf_counter()
     warm_up(slots)
     status(f"compiled in {time.perf_counter() - t0:.1f}s")
+    return slots
+
+
+def build(args, slots) -> tuple[Served, Scheduler]:
+    """(Served, Scheduler) over the slots (process 0's, across hosts: a `lockstep.Leader`)."""
+    target = slots.engine.target
+    name = args.served_model_name or model_name(args.target)
+    scheduler = Scheduler(slots, args.max_queue, ServerMetrics(slots.engine.k, slots.batch, name, slots.length))
     served = Served(scheduler, target.tokenizer, name, target.config.vocab_size, slots.length, strict=args.strict)
-    if drafter is not None:
-        served.heads = Heads(scheduler, mode, args.drafter, drafter)
+    if slots.engine.drafter is not None:
+        across = jax.process_count() > 1  # every process would have to load it: a restart does
+        served.heads = Heads(scheduler, slots.engine.mode, args.drafter, slots.engine.drafter, swappable=not across)
     admin = args.admin_key or os.environ.get(ADMIN_KEY_ENV)
     served.admin_keys = (admin.encode(),) if admin else ()
     if args.log_requests:
@@ -163,7 +175,13 @@ def warm_up(slots: Slots) -> None:
 def serve(args) -> int:
     access, limits = settings(args)
     _log_lines()
-    served, scheduler = build(args)
+    slots, leader = load(args), None
+    if jax.process_count() > 1:  # one server across hosts: process 0 serves, the others follow it
+        limit = lockstep_limit(args)
+        if jax.process_index() > 0:
+            return lockstep.follow(slots, limit)
+        slots = leader = lockstep.Leader(slots, limit)
+    served, scheduler = build(args, slots)
     served.pool = concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
     config = uvicorn.Config(
         create_app(served, access, limits, tuple(args.allowed_origins or ())),
@@ -184,6 +202,8 @@ def serve(args) -> int:
     server.reload = None if served.heads is None else functools.partial(served.heads.reload, args.drafter)
     if args.on_device_failure == "exit":
         scheduler.on_failure = server.device_failed
+    if leader is not None:
+        leader.start(on_stop=lambda: server.handle_exit(signal.SIGTERM, None))
     scheduler.start()
     scheme = "https" if args.ssl_certfile else "http"
     status(
@@ -198,6 +218,8 @@ def serve(args) -> int:
         server.run()
     finally:
         scheduler.shutdown()
+        if leader is not None:
+            leader.stop(failed=scheduler.failure is not None)
         served.pool.shutdown(wait=False, cancel_futures=True)
         if served.recorder is not None:
             served.recorder.close()  # the last shard finished: nothing logged is lost
@@ -206,6 +228,13 @@ def serve(args) -> int:
         return 1
     status("stopped")
     return 0
+
+
+def lockstep_limit(args) -> float:
+    """How long an exchange or a device call of a server across hosts may take before its process
+    gives the others up: half the heartbeat timeout, so that this one line comes before the JAX
+    runtime's own end of the process (a lost peer's heartbeats missed)."""
+    return max(dist_config(args).heartbeat_timeout / 2, 4 * lockstep.TICK_S)
 
 
 def _log_lines() -> None:

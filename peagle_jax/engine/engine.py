@@ -401,9 +401,19 @@ class Engine:
     @staticmethod
     def read(state: sp.DecodeState, start: np.ndarray, width: int) -> Tokens:
         """Each row's tokens (and log-probabilities, when kept) from `start` on, `width` of them."""
-        got = jax.device_get(_read(state, jnp.asarray(start, jnp.int32), width))
+        got = to_host(_read(state, jnp.asarray(start, jnp.int32), width))
         out_len, done, tail, rounds, accepted, logprobs = got
         return Tokens(np.asarray(start), out_len, done, tail, rounds, accepted, logprobs)
+
+
+def to_host(tree):
+    """numpy copies of a tree of arrays; rows that lie on other processes' devices (a mesh over
+    several hosts) are gathered from them, every process taking part."""
+    if all(x.is_fully_addressable for x in jax.tree.leaves(tree)):
+        return jax.device_get(tree)
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))

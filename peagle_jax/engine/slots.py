@@ -24,7 +24,7 @@ import numpy as np
 
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
-from peagle_jax.engine.engine import Call, Engine, Tokens
+from peagle_jax.engine.engine import Call, Engine, Tokens, to_host
 from peagle_jax.engine.sampling import SamplingParams, row_key
 
 SLOT_STOP_WIDTH = 32  # stop ids a slot's request may hold (its eos ids included)
@@ -220,7 +220,7 @@ class Slots:
         self.state, prompt_lp = self.prefill_call(rows, piece).run()
         tokens = self.engine.read(self.state, np.zeros((self.batch,), np.int32), 1)
         asked = any(self.filling[s].params.prompt_logprobs is not None for s in rows)
-        prompt_lp = jax.device_get(prompt_lp) if asked else None
+        prompt_lp = to_host(prompt_lp) if asked else None
         news = []
         for i, slot in enumerate(rows):
             f = self.filling[slot]

@@ -110,7 +110,7 @@ def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
     if not state_dir.is_dir():
         raise FileNotFoundError(f"{state_dir}: missing (a drafter checkpoint holds drafter.json and state/)")
     _, abstract = abstract_drafter(config, stored)
-    want = nnx.to_pure_dict(abstract)
+    want = _on_this_process(nnx.to_pure_dict(abstract))
     with local_checkpointer() as ckptr:
         _check_stored_shapes(ckptr, state_dir, want, f"{cfg_file} key 'config'")
         try:
@@ -122,6 +122,17 @@ def read_own(path: Path) -> tuple[DrafterConfig, dict, str]:
         for p, v in _flatten(restored)
     }
     return config, arrays, stored
+
+
+def _on_this_process(tree):
+    """The restore target on this process's first device: orbax would otherwise place the arrays
+    as they were saved, which a multi-host run refuses (another topology)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return tree
+    here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=here), tree)
 
 
 def _check_stored_shapes(ckptr, state_dir: Path, want: dict, where: str) -> None:

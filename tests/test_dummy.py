@@ -123,7 +123,6 @@ def test_infer_cost_rows_on_an_unseen_shape(unseen, tmp_path):
     for x in rows.values():
         assert x["step_ms"] == step["step_ms"] and x["break_even_acceptance_length"] == x["round_ms"] / x["step_ms"]
         assert min(x["round_ms"], x["drafter_ms"], x["verify_ms"], x["round_compile_s"]) > 0
-    assert rows[("parallel", 7)]["drafter_ms"] < rows[("chain", 7)]["drafter_ms"]  # one pass against seven
     assert step["roofline_ms"] > 0 and step["step_bytes"] > 4 * (2 * 192 * 32000 - 192 * 32000)
     phases = [p["phase"].split(" (")[0] for p in data["phases"]]
     assert phases[:3] == ["target weights", "heads", "read bandwidth"] and all(

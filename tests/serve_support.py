@@ -188,3 +188,25 @@ def ask(server, req) -> list[int]:
         assert events[-1] == "[DONE]"
         return words_to_ids("".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]))
     return words_to_ids(json.loads(text)["choices"][0]["text"])
+
+
+class OnFirstUse(dict):
+    """name -> a future of what `start(name)` returns, started on first use (`eager` names at once,
+    together): a module's servers that only `slow` tests use start only when those run."""
+
+    def __init__(self, start, eager=()):
+        super().__init__()
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.start, self.pool = start, ThreadPoolExecutor(4)
+        for name in eager:
+            self[name]
+
+    def __missing__(self, name):
+        future = self[name] = self.pool.submit(self.start, name)
+        return future
+
+    def results(self) -> dict:
+        """name -> what started, of the names started (their start waited for)."""
+        self.pool.shutdown()
+        return {name: future.result() for name, future in list(self.items())}

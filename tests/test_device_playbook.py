@@ -45,6 +45,7 @@ def smoke(tmp_path_factory):
     return out, res, wall
 
 
+@pytest.mark.slow  # the --smoke run of every stage: ~85 s of the 2-core CI
 def test_smoke_runs_every_stage_and_records_it(smoke):
     out, res, wall = smoke
     print(f"device playbook --smoke: {res['seconds']} s recorded, {wall:.1f} s wall")
@@ -61,6 +62,7 @@ def test_smoke_runs_every_stage_and_records_it(smoke):
     assert sum(s["seconds"] for s in res["stages"].values()) <= res["seconds"]
 
 
+@pytest.mark.slow  # the --smoke run of every stage: ~85 s of the 2-core CI
 def test_smoke_results_hold_each_stages_numbers(smoke):
     _, res, _ = smoke
     st = res["stages"]

@@ -28,6 +28,9 @@ STAGES = {"data", "train-parallel", "train-chain", "train-dflash", "eval-mtbench
 FAST = ["--ks", "2", "--batches", "2"]
 
 
+SMOKE = pytest.mark.slow  # the --smoke run of every stage: ~95 s of the 2-core CI
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     root = tmp_path_factory.mktemp("report")
@@ -36,6 +39,7 @@ def smoke(tmp_path_factory):
     return root, argv
 
 
+@SMOKE
 def test_smoke_report_writes_every_result(smoke):
     root, _ = smoke
     res = json.loads((root / "report" / "results.json").read_text())
@@ -59,6 +63,7 @@ def test_smoke_report_writes_every_result(smoke):
     assert "goals" not in res  # no pass/miss scorecard in the results
 
 
+@SMOKE
 def test_smoke_rows_measure_every_head_losslessly(smoke):
     root, _ = smoke
     res = json.loads((root / "report" / "results.json").read_text())
@@ -88,6 +93,7 @@ def test_smoke_rows_measure_every_head_losslessly(smoke):
     assert p["train_tokens"] > 0
 
 
+@SMOKE
 def test_smoke_report_writes_plots_and_markdown(smoke):
     root, _ = smoke
     for name in ("acceptance_length_vs_k.png", "speedup_vs_k.png", "per_position_acceptance.png"):
@@ -111,6 +117,7 @@ def test_smoke_report_writes_plots_and_markdown(smoke):
     assert not list(root.glob(".report.*"))  # no temporary folder left beside OUT
 
 
+@SMOKE
 def test_rerun_reuses_finished_stages(smoke, capsys):
     root, argv = smoke
     stage_files = sorted((root / "work" / "stages").glob("*.json"))
@@ -125,6 +132,7 @@ def test_rerun_reuses_finished_stages(smoke, capsys):
     assert json.loads((root / "report" / "results.json").read_text())["greedy"]["total"] == 12
 
 
+@SMOKE
 def test_an_evaluation_of_other_heads_is_redone_and_the_trained_heads_reused(smoke, capsys):
     """A WORK from a two-head run: its evaluations measured P-EAGLE and EAGLE-3 only, so they are
     redone with all three heads; every finished training is reused."""
@@ -147,6 +155,7 @@ def test_an_evaluation_of_other_heads_is_redone_and_the_trained_heads_reused(smo
     )
 
 
+@SMOKE
 def test_rerun_with_other_settings_names_the_flag(smoke, capsys):
     root, argv = smoke
     assert main([*argv, "--budget", "2"]) == 1

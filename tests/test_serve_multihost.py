@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import xla_env
 from limits import HANG_S
-from serve_support import ServerProcess, alone, ask, free_port, mixed_requests, request, shown, tiny_assets
+from serve_support import OnFirstUse, ServerProcess, alone, ask, free_port, mixed_requests, request, shown, tiny_assets
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 3
@@ -63,14 +63,23 @@ def assets(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def pairs(assets):
-    """name -> its Pair: "served" (requests, then a follower's stop), "killed" (its follower killed)."""
+    """name -> its Pair: "served" (requests, then a follower's stop), "killed" (its follower
+    killed; started by the slow test that kills it)."""
     root, _ = assets
-    with ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(Pair, root, name) for name in ("served", "killed")}
-    started = {name: future.result() for name, future in futures.items()}
-    yield started
-    for pair in started.values():
+    started = OnFirstUse(lambda name: Pair(root, name), eager=["served"])
+    yield Ready(started)
+    for pair in started.results().values():
         pair.kill()
+
+
+class Ready:
+    """The started pairs, each once it is up."""
+
+    def __init__(self, started: OnFirstUse):
+        self.started = started
+
+    def __getitem__(self, name: str) -> Pair:
+        return self.started[name].result()
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +130,7 @@ def test_a_followers_sigterm_stops_every_process(pairs):
         assert log.rstrip().endswith("[infer] stopped") and "Traceback" not in log, log
 
 
+@pytest.mark.slow  # a second pair of processes: ~40 s of the 2-core CI
 def test_a_killed_follower_ends_process_0_with_one_line(pairs):
     pair = pairs["killed"]
     before = pair.leader.stderr()

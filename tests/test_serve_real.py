@@ -31,8 +31,10 @@ def test_concurrent_chats_equal_generate_alone(tmp_path):
     want = dec.generate(conversations, max_new_tokens=NEW).texts  # a padded batch decodes each row as alone
 
     argv = ["--target", str(folder), "--drafter", str(tmp_path / "head"), "--k", str(K)]
-    # two slots for three requests: one waits in the queue and takes the slot the first to end frees
-    server = ServerProcess([*argv, "--max-batch", "2", "--max-len", "256"], tmp_path / "server.log", "gemma")
+    # two slots for three requests: one waits in the queue and takes the slot the first to end frees;
+    # prompts in pieces of 16 (two prefill programs to compile, each prompt in two or more calls)
+    argv += ["--max-batch", "2", "--max-len", "256", "--prefill-chunk", "16"]
+    server = ServerProcess(argv, tmp_path / "server.log", "gemma")
     try:
         client = openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", max_retries=0)
 

@@ -86,6 +86,7 @@ def test_partitioned_kernels_compile_on_8_devices(topologies, platform):
     assert exe.memory_analysis().argument_size_in_bytes > 0
 
 
+@pytest.mark.slow  # ~20 s of the 2-core CI
 def test_a_million_token_schedule_fits_the_tpu_smem(topologies, monkeypatch):
     """At 128-row blocks the scalar-prefetched schedule of a 1,048,576-token sequence outgrows a
     TPU core's SMEM (a v5p refused the dK/dV kernel of Gemma-3-270M's train step there):

@@ -56,11 +56,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, target: str, drafter: str, port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "infer", "serve", "--target", target, "--drafter", drafter, "--k", str(args.k)]
-    cmd += ["--max-batch", str(args.max_batch), "--max-len", str(args.max_len), "--port", str(port)]
-    cmd += ["--served-model-name", "bench", "--max-queue", str(4 * args.prompts)]
-    cmd += ["--rounds-per-step", str(args.rounds_per_step)]
+def server_flags(args, target: str, drafter: str) -> list[str]:
+    """This benchmark's server: --max-batch slots of --max-len, served as model "bench"."""
+    flags = ["--target", target, "--drafter", drafter, "--k", str(args.k), "--served-model-name", "bench"]
+    flags += ["--max-batch", str(args.max_batch), "--max-len", str(args.max_len), "--max-queue", str(4 * args.prompts)]
+    return flags + ["--rounds-per-step", str(args.rounds_per_step)]
+
+
+def start_server(flags: list[str], port: int, log) -> subprocess.Popen:
+    """`python -m infer serve FLAGS` on 127.0.0.1:PORT (its stderr to `log`), once /health answers 200."""
+    cmd = [sys.executable, "-m", "infer", "serve", *flags, "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
     while True:
         if proc.poll() is not None:
@@ -74,13 +79,21 @@ def start_server(args, target: str, drafter: str, port: int, log) -> subprocess.
             time.sleep(0.5)
 
 
-def stream_one(port: int, conversation, max_tokens: int) -> dict:
-    """One streaming chat request: its arrival-relative first and last token times and its tokens."""
+class RequestFailed(RuntimeError):
+    """A request answered with an error status, an error event or no text."""
+
+
+def stream_one(port: int, conversation, max_tokens: int, fields: dict | None = None) -> dict:
+    """One streaming greedy chat request (`fields` added to its body): its arrival-relative first and
+    last token times and its tokens (from the usage the stream ends with); RequestFailed when it fails."""
     body = {"model": "bench", "messages": conversation, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body |= {"stream_options": {"include_usage": True}, **(fields or {})}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     sent = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
+    if resp.status != 200:
+        raise RequestFailed(f"HTTP {resp.status}: {resp.read()[:200]!r}")
     first = last = None
     tokens = 0
     for line in resp:
@@ -88,17 +101,24 @@ def stream_one(port: int, conversation, max_tokens: int) -> dict:
             continue
         event = json.loads(line[6:])
         now = time.perf_counter()
+        if "error" in event:
+            raise RequestFailed(f"error event: {event['error']}")
         if event["choices"] and event["choices"][0]["delta"].get("content"):
             first = first or now
             last = now
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
     conn.close()
+    if first is None:
+        raise RequestFailed("a stream without text")
     return {"ttft": first - sent, "decode": last - first, "tokens": tokens}
 
 
-def run_clients(port: int, prompts, clients: int, max_tokens: int) -> tuple[list[dict], float]:
-    """Every prompt once, from `clients` threads taking the next prompt as they finish one."""
+def run_clients(
+    port: int, prompts, clients: int, max_tokens: int, fields: dict | None = None
+) -> tuple[list[dict], float]:
+    """Every prompt once, from `clients` threads taking the next prompt as they finish one; a request
+    that fails is a result {"error": why}."""
     todo, results, lock = list(range(len(prompts))), [], threading.Lock()
 
     def client():
@@ -107,7 +127,10 @@ def run_clients(port: int, prompts, clients: int, max_tokens: int) -> tuple[list
                 if not todo:
                     return
                 i = todo.pop(0)
-            res = stream_one(port, prompts[i], max_tokens)
+            try:
+                res = stream_one(port, prompts[i], max_tokens, fields)
+            except (OSError, http.client.HTTPException, RequestFailed) as e:
+                res = {"error": f"{type(e).__name__}: {e}"}
             with lock:
                 results.append(res)
 
@@ -132,13 +155,13 @@ def run_static(decoder, prompts, batch: int, max_tokens: int) -> tuple[list[dict
 
 
 def summary(passes: list[tuple[list[dict], float]]) -> dict:
-    """Tokens/s: the median over the passes; latencies: percentiles over every request of them."""
-    results = [r for rs, _ in passes for r in rs]
+    """Tokens/s: the median over the passes; latencies: percentiles over every answered request of them."""
+    results = [r for rs, _ in passes for r in rs if "error" not in r]
     ttft = [r["ttft"] for r in results]
     per_token = [r["decode"] / max(r["tokens"] - (0 if r.get("whole") else 1), 1) for r in results]
     return {
-        "tokens_per_s": float(np.median([sum(r["tokens"] for r in rs) / seconds for rs, seconds in passes])),
-        "passes_tokens_per_s": [sum(r["tokens"] for r in rs) / seconds for rs, seconds in passes],
+        "tokens_per_s": float(np.median([sum(r.get("tokens", 0) for r in rs) / seconds for rs, seconds in passes])),
+        "passes_tokens_per_s": [sum(r.get("tokens", 0) for r in rs) / seconds for rs, seconds in passes],
         "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
         "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)),
         "per_token_p50_ms": 1e3 * float(np.percentile(per_token, 50)),
@@ -183,7 +206,7 @@ def main(argv=None) -> int:
     rows, raw = [], {}
     port = free_port()
     log = open(os.path.join(tmp.name, "server.log"), "wb")
-    server = start_server(args, folder, drafter_dir, port, log)
+    server = start_server(server_flags(args, folder, drafter_dir), port, log)
     try:
         run_clients(port, prompts[:1], 1, args.max_new_tokens)  # the server compiled at start; this warms it
         for c in clients:

@@ -5,7 +5,8 @@ fresh random head) and, for each load and each number of concurrent streams, run
 concurrent profile (`guidellm run`, a scenario file of its own: the OpenAI HTTP backend, chat
 completions, streamed) with --requests-per-stream x streams requests (at least --min-requests),
 then sends the very requests GuideLLM sent (their bodies, read back from its report) from our own
-client (`bench.serve_bench`'s, with as many threads as streams) to the same server. Loads:
+client (`bench.serve_bench`'s, with as many threads as streams) to the same server; --repeats
+passes of each, in the order A B B A (the machine's load comes and goes). Loads:
 
 - synthetic: GuideLLM's synthetic text, --prompt-tokens per prompt, --output-tokens each (it
   sends `ignore_eos`, so every request decodes exactly that many);
@@ -17,7 +18,7 @@ latency medians / p95 and its errored and incomplete requests; ours at the same 
 ratio of the two throughputs (the goal: within 5%).
 
     python -m bench.guidellm_sweep [--guidellm .venv-guidellm/bin/guidellm] [--streams 1,2,4,8,16,32] \
-        [--loads synthetic,mtbench] [--requests-per-stream 2] [--min-requests 6] [--prompt-tokens 64] \
+        [--loads synthetic,mtbench] [--requests-per-stream 2] [--min-requests 6] [--repeats 2] [--prompt-tokens 64] \
         [--output-tokens 32] [--drafter DIR|new] [--k 3] [--max-batch 32] [--max-len 512] \
         [--json bench/results/guidellm_sweep.json]
 
@@ -35,9 +36,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
+
 from bench.command import command_line
+from bench.proc_cpu import CpuSampler
 from bench.serve_bench import free_port, run_clients, start_server, stream_one, summary
 from bench.serve_setup import add_server_args, head_words, run_facts, save, server_flags, server_line, target_folder
 
@@ -45,6 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 GUIDELLM = ROOT / ".venv-guidellm" / "bin" / "guidellm"
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 GOAL = 0.05  # GuideLLM's throughput within 5% of ours
+MEDIAN_KEYS = ("requests_per_s", "tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")
+MEDIAN_KEYS += ("server_cores", "client_cores")
 COLUMNS = [
     "load",
     "streams",
@@ -58,6 +65,7 @@ COLUMNS = [
     "GuideLLM ITL p50 / p95 (ms)",
     "ours ITL p50 / p95 (ms)",
     "errors GuideLLM / ours",
+    "client cores GuideLLM / ours",
 ]
 
 
@@ -176,7 +184,7 @@ def ours(port: int, bench: dict, streams: int) -> dict:
 
 def row(load: str, streams: int, theirs: dict, mine: dict) -> list:
     def pair(figures: dict, key: str) -> str:
-        a, b = figures[f"{key}_p50_ms"], figures[f"{key}_p95_ms"]
+        a, b = figures.get(f"{key}_p50_ms"), figures.get(f"{key}_p95_ms")
         return "-" if a is None else f"{a:.0f} / {b:.0f}"
 
     ratio = theirs["tokens_per_s"] / mine["tokens_per_s"] if mine["tokens_per_s"] else float("nan")
@@ -193,21 +201,49 @@ def row(load: str, streams: int, theirs: dict, mine: dict) -> list:
         pair(theirs, "itl"),
         pair(mine, "itl"),
         f"{theirs['errors']} / {mine['errors']}",
+        f"{cores(theirs, 'client')} / {cores(mine, 'client')}",
     ]
 
 
-def sweep(args, port: int, folder: Path) -> tuple[list, list]:
+def cores(figures: dict, who: str) -> str:
+    value = figures.get(f"{who}_cores")
+    return "-" if value is None else f"{value:.2f}"
+
+
+def point(args, port: int, spec: dict, folder: Path, streams: int, cpu: CpuSampler) -> dict:
+    """One load and stream count: --repeats passes of each side, in the order A B B A A B ... (the
+    machine's load comes and goes); a pass of ours that comes first replays GuideLLM's last requests
+    (its synthetic data is seeded: every pass of it sends the same ones)."""
+    passes, bench, before = {"guidellm": [], "ours": []}, None, os.getloadavg()[0]
+    for r in range(args.repeats):
+        for side in ("guidellm", "ours") if r % 2 == 0 else ("ours", "guidellm"):
+            if side == "guidellm":
+                bench = run_guidellm(args, spec, folder)
+                passes["guidellm"].append(guidellm_figures(bench) | cpu.share(bench["start_time"], bench["end_time"]))
+            else:
+                start = time.time()
+                mine = ours(port, bench, streams)
+                passes["ours"].append(mine | cpu.share(start, time.time()))
+    return {"passes": passes, "load_average_before_after": [before, os.getloadavg()[0]]}
+
+
+def combined(passes: list[dict]) -> dict:
+    """The passes of one side: each figure's median over them; errors added up."""
+    values = {key: [p[key] for p in passes if p[key] is not None] for key in MEDIAN_KEYS}
+    out = {key: float(np.median(v)) for key, v in values.items() if v}
+    return out | {"requests": passes[0]["requests"], "errors": sum(p["errors"] for p in passes)}
+
+
+def sweep(args, port: int, folder: Path, cpu: CpuSampler) -> tuple[list, list]:
     rows, raw = [], []
     for load in args.loads:
         data = load_data(load, args, folder)
         for streams in args.streams:
             requests = max(args.min_requests, args.requests_per_stream * streams)
             spec = scenario(args, port, data, streams, requests, folder / "report.json")
-            before = os.getloadavg()
-            theirs = guidellm_figures(bench := run_guidellm(args, spec, folder))
-            mine = ours(port, bench, streams)
-            raw.append({"load": load, "streams": streams, "guidellm": theirs, "ours": mine})
-            raw[-1]["load_average_before_after"] = [before[0], os.getloadavg()[0]]
+            measured = point(args, port, spec, folder, streams, cpu)
+            theirs, mine = (combined(measured["passes"][side]) for side in ("guidellm", "ours"))
+            raw.append({"load": load, "streams": streams, "guidellm": theirs, "ours": mine, **measured})
             rows.append(row(load, streams, theirs, mine))
             print(" | ".join(map(str, rows[-1])), flush=True)
     return rows, raw
@@ -223,10 +259,16 @@ def notes(raw: list) -> list[str]:
         f"{within} of {len(ratios)} points.",
         "Ours sends the very requests GuideLLM sent (the bodies in its report: the same messages, "
         "max_completion_tokens, ignore_eos, stream_options with continuous_usage_stats, temperature 0), "
-        "right after it, with as many threads as GuideLLM's streams. Throughput: output tokens over the "
+        "in turn with it, with as many threads as GuideLLM's streams. Throughput: output tokens over the "
         "wall time from the first request to the last answer, on both sides; ITL: a request's decode time "
         "after its first token over its tokens after the first (GuideLLM's inter_token_latency_ms).",
+        "Client cores: the CPU time the load generator's processes took over its measured window, in cores "
+        "(from /proc); the server's: " + ", ".join(server_cores(r) for r in raw) + " (GuideLLM / ours, per point).",
     ]
+
+
+def server_cores(r: dict) -> str:
+    return f"{r['load'][:3]}@{r['streams']} {cores(r['guidellm'], 'server')} / {cores(r['ours'], 'server')}"
 
 
 def main(argv=None) -> int:
@@ -246,7 +288,8 @@ def main(argv=None) -> int:
         server = start_server(flags, port, log)
         try:
             stream_one(port, [{"role": "user", "content": "Hello"}], 4)  # compiled at start; this warms it
-            rows, raw = sweep(args, port, folder)
+            with CpuSampler(server.pid) as cpu:
+                rows, raw = sweep(args, port, folder, cpu)
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(60)
@@ -261,7 +304,8 @@ def write(args, facts: dict, flags: list[str], rows: list, raw: list) -> None:
         f"(a scenario per point: chat completions, streamed, greedy), then our own client with the same requests "
         f"at the same concurrency. Loads: synthetic ({args.prompt_tokens} prompt tokens) and the MT-Bench first "
         f"turns, {args.output_tokens} output tokens each (ignore_eos). Requests per point: "
-        f"max({args.min_requests}, {args.requests_per_stream} x streams)."
+        f"max({args.min_requests}, {args.requests_per_stream} x streams); {args.repeats} passes a side per point "
+        "in the order A B B A (each figure the median over the passes; errors: all passes')."
     )
     data = {
         "title": "Serving under GuideLLM: its concurrency sweep against our own client",
@@ -287,6 +331,7 @@ def parse(argv):
     p.add_argument("--loads", type=loads, default=["synthetic", "mtbench"])
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=6)
+    p.add_argument("--repeats", type=int, default=2, help="passes of each side per point (figures: the median)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="synthetic prompts' length")
     p.add_argument("--output-tokens", type=int, default=32)
     add_server_args(p, max_batch=32, results="guidellm_sweep.json")

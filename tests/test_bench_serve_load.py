@@ -1,17 +1,21 @@
 """The server's load benchmarks without running them: the soak's analysis on synthetic samples,
-GuideLLM's report read back, and both command lines' help (no GuideLLM, no network)."""
+GuideLLM's report read back, the CPU sampler, and both command lines' help (no GuideLLM, no
+network)."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from bench.guidellm_sweep import guidellm_figures, sent_requests
+from bench.proc_cpu import CpuSampler, cpu_seconds, descendants
 from bench.serve_soak import MIB, checks, gauge, rss_trend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +135,22 @@ def test_help_runs(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert f"python -m {module}" in done.stdout and "--json" in done.stdout
+
+
+def test_cpu_sampler_reads_processes_and_windows():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert child.pid in descendants(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    before, start = cpu_seconds(os.getpid()), time.process_time()
+    while time.process_time() - start < 0.3:  # 0.3 s of this process's CPU
+        pass
+    assert cpu_seconds(os.getpid()) - before >= 0.25
+    assert cpu_seconds(2**22 + 1) == 0.0  # no such process
+    sampler = CpuSampler(server=child.pid)
+    sampler.samples = [(100.0, 10.0, 1.0), (101.0, 10.5, 1.1), (102.0, 11.5, 1.3), (103.0, 12.0, 2.0)]
+    assert sampler.share(100.5, 102.5) == pytest.approx({"server_cores": 1.0, "client_cores": 0.2})
+    assert sampler.share(100.0, 103.0) == pytest.approx({"server_cores": 2 / 3, "client_cores": 1 / 3})
+    assert sampler.share(101.5, 102.5) == {"server_cores": None, "client_cores": None}

@@ -92,10 +92,11 @@ def run_facts() -> dict:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True)
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    return {
+    facts = {
         "hardware": f"{os.cpu_count()}-core {cpu_model()}, {accelerator()}; load average {load} at the start "
         "(1/5/15 min; the machine is shared)",
         "jax": version("jax"),
-        "commit": commit.stdout.strip() + (" + uncommitted changes" if dirty.stdout.strip() else ""),
+        "commit": commit.stdout.strip(),
         "date": datetime.date.today().isoformat(),
     }
+    return facts | ({"uncommitted_changes": True} if dirty.stdout.strip() else {})

@@ -12,7 +12,12 @@ MiB per hour), 5xx answers, answers of the wrong kind, tracebacks in the log, th
 each of these is zero and the last-quarter median is within --rss-tolerance of the first.
 
     python -m bench.serve_soak [--minutes 30] [--clients 10] [--max-batch 8] [--max-len 512] \
-        [--drafter DIR|new] [--sample-seconds 10] [--json bench/results/serve_soak.json]
+        [--target gemma3-270m|tiny|DIR] [--drafter DIR|new] [--sample-seconds 10] \
+        [--json bench/results/serve_soak.json]
+
+--target tiny serves the hostile probe's tiny random target and head (`bench.serve_probe`): a
+server of little memory that answers many more requests a minute on a CPU (a leak per request
+shows sooner); the texts are then words its tokenizer does not know.
 
 Loopback only; bounded by --minutes and --clients (fewer than the slots and the queue: no 503).
 """
@@ -35,6 +40,7 @@ import numpy as np
 
 from bench.command import command_line
 from bench.serve_bench import free_port, start_server
+from bench.serve_probe import build_assets
 from bench.serve_setup import add_server_args, head_words, run_facts, save, server_flags, server_line, target_folder
 from peagle_jax.engine import load_prompts
 
@@ -241,7 +247,11 @@ def mtbench_texts() -> list[str]:
 def main(argv=None) -> int:
     args = parse(argv)
     facts, folder, port = run_facts(), tempfile.TemporaryDirectory(prefix="serve-soak-"), free_port()
-    flags = server_flags(args, target_folder(args.target))
+    if args.target == "tiny":  # the probe's tiny random target and head: little memory, many requests a minute
+        build_assets(Path(folder.name))
+        args.drafter = str(Path(folder.name) / "drafter")
+    target = str(Path(folder.name) / "target") if args.target == "tiny" else target_folder(args.target)
+    flags = server_flags(args, target)
     log_path = Path(folder.name) / "server.log"
     with open(log_path, "wb") as log:
         server = start_server(flags, port, log)
@@ -289,7 +299,7 @@ def write(args, facts, flags, counts, samples, trend, end, verdicts) -> None:
     data = {
         "title": "Serving: a soak run (mixed traffic, resident memory, errors, slots)",
         "order": 60.2,
-        "setup": f"{args.target}, {head_words(args.drafter)}, K={args.k}; --max-batch {args.max_batch} x --max-len "
+        "setup": f"{served(args)}, K={args.k}; --max-batch {args.max_batch} x --max-len "
         f"{args.max_len}; {args.clients} client threads for {args.minutes} minutes on 127.0.0.1, each sending one "
         "request after another, drawn at random (seeded): "
         + ", ".join(f"{k} {w}%" for k, w in KINDS)
@@ -300,13 +310,19 @@ def write(args, facts, flags, counts, samples, trend, end, verdicts) -> None:
         "columns": ["measure", "value", "goal met"],
         "rows": rows,
         "notes": [],
-        "server": server_line(flags, args.target),
+        "server": server_line(flags, args.target) if args.target != "tiny" else "tiny (built by the command)",
         "counts": counts,
         "end": end,
         "trend": trend,
         "rss_samples": [[round(t, 1), b // 1024] for t, b in samples],
     }
     save(args.json, data)
+
+
+def served(args) -> str:
+    if args.target == "tiny":
+        return "the tiny random target of bench.serve_probe (a tiny Llama, a word tokenizer) and a random P-EAGLE head"
+    return f"{args.target}, {head_words(args.drafter)}"
 
 
 def parse(argv):

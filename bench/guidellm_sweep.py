@@ -205,6 +205,11 @@ def row(load: str, streams: int, theirs: dict, mine: dict) -> list:
     ]
 
 
+def partial(args, rows: list) -> list[str]:
+    planned = len(args.loads) * len(args.streams)
+    return [] if len(rows) == planned else [f"Partial: {len(rows)} of the {planned} points were measured."]
+
+
 def cores(figures: dict, who: str) -> str:
     value = figures.get(f"{who}_cores")
     return "-" if value is None else f"{value:.2f}"
@@ -234,7 +239,9 @@ def combined(passes: list[dict]) -> dict:
     return out | {"requests": passes[0]["requests"], "errors": sum(p["errors"] for p in passes)}
 
 
-def sweep(args, port: int, folder: Path, cpu: CpuSampler) -> tuple[list, list]:
+def sweep(args, port: int, folder: Path, cpu: CpuSampler, after_each) -> None:
+    """Every load and stream count; `after_each(rows, raw)` once each point is measured (the
+    results so far are written: a run stopped midway keeps its points)."""
     rows, raw = [], []
     for load in args.loads:
         data = load_data(load, args, folder)
@@ -246,13 +253,15 @@ def sweep(args, port: int, folder: Path, cpu: CpuSampler) -> tuple[list, list]:
             raw.append({"load": load, "streams": streams, "guidellm": theirs, "ours": mine, **measured})
             rows.append(row(load, streams, theirs, mine))
             print(" | ".join(map(str, rows[-1])), flush=True)
-    return rows, raw
+            after_each(rows, raw)
 
 
 def notes(raw: list) -> list[str]:
     ratios = [r["guidellm"]["tokens_per_s"] / r["ours"]["tokens_per_s"] for r in raw if r["ours"]["tokens_per_s"]]
     errors = sum(r["guidellm"]["errors"] for r in raw)
     within = sum(abs(x - 1) <= GOAL for x in ratios)
+    if not ratios:
+        return [f"GuideLLM: {errors} errored or incomplete requests; no point with a throughput of ours."]
     return [
         f"GuideLLM: {errors} errored or incomplete requests over the sweep (goal: 0).",
         f"GuideLLM's throughput / ours: {min(ratios):.3f} to {max(ratios):.3f}; within 5% (the goal) at "
@@ -289,11 +298,10 @@ def main(argv=None) -> int:
         try:
             stream_one(port, [{"role": "user", "content": "Hello"}], 4)  # compiled at start; this warms it
             with CpuSampler(server.pid) as cpu:
-                rows, raw = sweep(args, port, folder, cpu)
+                sweep(args, port, folder, cpu, lambda rows, raw: write(args, facts, flags, rows, raw))
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(60)
-    write(args, facts, flags, rows, raw)
     return 0
 
 
@@ -315,7 +323,7 @@ def write(args, facts: dict, flags: list[str], rows: list, raw: list) -> None:
         **facts,
         "columns": COLUMNS,
         "rows": rows,
-        "notes": notes(raw),
+        "notes": notes(raw) + partial(args, rows),
         "server": server_line(flags, args.target),
         "raw": raw,
     }

@@ -9,7 +9,10 @@ CBIN := $(CVENV)/bin
 VVENV := .venv-vllm
 VLLM_RELEASES := 0.33.0 0.34.0
 
-.PHONY: test test-fast test-slow lint demo report clean compile-venv test-compile vllm-venv
+GVENV := .venv-guidellm
+GUIDELLM_VERSION := 0.8.1
+
+.PHONY: test test-fast test-slow lint demo report clean compile-venv test-compile vllm-venv guidellm-venv
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -50,6 +53,17 @@ $(VVENV)/.installed: tests/vllm-oracle.txt
 
 vllm-venv: $(VVENV)/.installed
 
+# GuideLLM (vllm-project's load generator, ~6 GB with its torch), a measurement tool in a venv of its own:
+# never a dependency, never needed by make test; python -m bench.guidellm_sweep runs it against the server
+$(GVENV)/.installed:
+	rm -rf $(GVENV)
+	$(PY) -m venv $(GVENV)
+	$(GVENV)/bin/pip install -q --upgrade pip
+	$(GVENV)/bin/pip install -q guidellm==$(GUIDELLM_VERSION)
+	touch $@
+
+guidellm-venv: $(GVENV)/.installed
+
 $(VENV)/.installed-demo: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[demo,train]'
 	touch $@
@@ -87,4 +101,4 @@ report: $(VENV)/.installed-test
 	$(BIN)/python -m report $(REPORT_ARGS)
 
 clean:
-	rm -rf $(VENV) $(CVENV) $(VVENV) .vllm .pytest_cache
+	rm -rf $(VENV) $(CVENV) $(VVENV) $(GVENV) .vllm .pytest_cache

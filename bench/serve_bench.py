@@ -56,11 +56,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, target: str, drafter: str, port: int, log) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "infer", "serve", "--target", target, "--drafter", drafter, "--k", str(args.k)]
-    cmd += ["--max-batch", str(args.max_batch), "--max-len", str(args.max_len), "--port", str(port)]
-    cmd += ["--served-model-name", "bench", "--max-queue", str(4 * args.prompts)]
-    cmd += ["--rounds-per-step", str(args.rounds_per_step), "--prefill-chunk", str(args.prefill_chunk)]
+def server_flags(args, target: str, drafter: str) -> list[str]:
+    """This benchmark's server: --max-batch slots of --max-len, served as model "bench"."""
+    flags = ["--target", target, "--drafter", drafter, "--k", str(args.k), "--served-model-name", "bench"]
+    flags += ["--max-batch", str(args.max_batch), "--max-len", str(args.max_len), "--max-queue", str(4 * args.prompts)]
+    return flags + ["--rounds-per-step", str(args.rounds_per_step), "--prefill-chunk", str(args.prefill_chunk)]
+
+
+def start_server(flags: list[str], port: int, log) -> subprocess.Popen:
+    """`python -m infer serve FLAGS` on 127.0.0.1:PORT (its stderr to `log`), once /health answers 200."""
+    cmd = [sys.executable, "-m", "infer", "serve", *flags, "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log)
     while True:
         if proc.poll() is not None:
@@ -74,10 +79,15 @@ def start_server(args, target: str, drafter: str, port: int, log) -> subprocess.
             time.sleep(0.5)
 
 
-def stream_one(port: int, prompt, max_tokens: int, **fields) -> dict:
+class RequestFailed(RuntimeError):
+    """A request answered with an error status, an error event or no tokens."""
+
+
+def stream_one(port: int, prompt, max_tokens: int, fields: dict | None = None) -> dict:
     """One streaming request, greedy: a chat (`prompt` a conversation) or a completion of token ids
     (`prompt` a list of ints); `fields`: more of its body. Its arrival-relative first and last
-    token times, its tokens, and each event's (time, tokens) for inter-token latencies."""
+    token times, its tokens, and each event's (time, tokens) for inter-token latencies;
+    RequestFailed when it fails."""
     ids = bool(prompt) and isinstance(prompt[0], int)
     body = {"model": "bench", ("prompt" if ids else "messages"): prompt, "max_tokens": max_tokens}
     body |= {
@@ -85,29 +95,36 @@ def stream_one(port: int, prompt, max_tokens: int, **fields) -> dict:
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
-    body |= fields
+    body |= fields or {}
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
     sent = time.perf_counter()
     path = "/v1/completions" if ids else "/v1/chat/completions"
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
+    if resp.status != 200:
+        raise RequestFailed(f"HTTP {resp.status}: {resp.read()[:200]!r}")
     events, done = [], 0
     for line in resp:
         if not line.startswith(b"data: {"):
             continue
         event = json.loads(line[6:])
+        if "error" in event:
+            raise RequestFailed(f"error event: {event['error']}")
         usage = event.get("usage") or {}
         if usage.get("completion_tokens", 0) > done:
             events.append((time.perf_counter(), usage["completion_tokens"] - done))
             done = usage["completion_tokens"]
     conn.close()
+    if not events:
+        raise RequestFailed("a stream without tokens")
     first, last = events[0][0], events[-1][0]
     return {"sent": sent, "ttft": first - sent, "decode": last - first, "tokens": done, "events": events}
 
 
-def run_clients(port: int, prompts, clients: int, max_tokens, **fields) -> tuple[list[dict], float]:
+def run_clients(port: int, prompts, clients: int, max_tokens, fields: dict | None = None) -> tuple[list[dict], float]:
     """Every prompt once, from `clients` threads taking the next prompt as they finish one;
-    `max_tokens`: one for all, or one per prompt (then with `ignore_eos`: exactly that many)."""
+    `max_tokens`: one for all, or one per prompt (then with `ignore_eos`: exactly that many); a
+    request that fails is a result {"error": why}."""
     todo, results, lock = list(range(len(prompts))), [], threading.Lock()
 
     def client():
@@ -117,7 +134,10 @@ def run_clients(port: int, prompts, clients: int, max_tokens, **fields) -> tuple
                     return
                 i = todo.pop(0)
             n = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
-            res = stream_one(port, prompts[i], n, **fields)
+            try:
+                res = stream_one(port, prompts[i], n, fields)
+            except (OSError, http.client.HTTPException, RequestFailed) as e:
+                res = {"error": f"{type(e).__name__}: {e}"}
             with lock:
                 results.append(res)
 
@@ -142,13 +162,13 @@ def run_static(decoder, prompts, batch: int, max_tokens: int) -> tuple[list[dict
 
 
 def summary(passes: list[tuple[list[dict], float]]) -> dict:
-    """Tokens/s: the median over the passes; latencies: percentiles over every request of them."""
-    results = [r for rs, _ in passes for r in rs]
+    """Tokens/s: the median over the passes; latencies: percentiles over every answered request of them."""
+    results = [r for rs, _ in passes for r in rs if "error" not in r]
     ttft = [r["ttft"] for r in results]
     per_token = [r["decode"] / max(r["tokens"] - (0 if r.get("whole") else 1), 1) for r in results]
     return {
-        "tokens_per_s": float(np.median([sum(r["tokens"] for r in rs) / seconds for rs, seconds in passes])),
-        "passes_tokens_per_s": [sum(r["tokens"] for r in rs) / seconds for rs, seconds in passes],
+        "tokens_per_s": float(np.median([sum(r.get("tokens", 0) for r in rs) / seconds for rs, seconds in passes])),
+        "passes_tokens_per_s": [sum(r.get("tokens", 0) for r in rs) / seconds for rs, seconds in passes],
         "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
         "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)),
         "per_token_p50_ms": 1e3 * float(np.percentile(per_token, 50)),
@@ -194,7 +214,7 @@ def main(argv=None) -> int:
     rows, raw = [], {}
     port = free_port()
     log = open(os.path.join(tmp.name, "server.log"), "wb")
-    server = start_server(args, folder, drafter_dir, port, log)
+    server = start_server(server_flags(args, folder, drafter_dir), port, log)
     try:
         run_clients(port, prompts[:1], 1, args.max_new_tokens)  # the server compiled at start; this warms it
         for c in clients:

@@ -41,7 +41,7 @@ import numpy as np
 
 import peagle_jax as pj
 from bench.command import command_line
-from bench.serve_bench import free_port, run_clients, start_server, stream_one, summary
+from bench.serve_bench import free_port, run_clients, server_flags, start_server, stream_one, summary
 from infer import SpeculativeDecoder
 from peagle_jax.assets import prepare
 from peagle_jax.chat import encode_prompt
@@ -96,7 +96,7 @@ def interference(port: int, streams: list, long_prompt: list[int], stream_tokens
     got, lock = [], threading.Lock()
 
     def stream(conversation):
-        res = stream_one(port, conversation, stream_tokens, ignore_eos=True)
+        res = stream_one(port, conversation, stream_tokens, {"ignore_eos": True})
         with lock:
             got.append(res)
 
@@ -104,7 +104,7 @@ def interference(port: int, streams: list, long_prompt: list[int], stream_tokens
     for t in threads:
         t.start()
     time.sleep(2.0 + 0.5 * len(streams))  # every stream admitted, prefilled and decoding
-    long = stream_one(port, long_prompt, 4, ignore_eos=True)
+    long = stream_one(port, long_prompt, 4, {"ignore_eos": True})
     for t in threads:
         t.join()
     window = (long["sent"], long["sent"] + long["ttft"])
@@ -164,13 +164,13 @@ def main(argv=None) -> int:
     print(f"new tokens {sorted(r[2] for r in requests)}", flush=True)
     log = open(os.path.join(tmp.name, "server.log"), "wb")
     port = free_port()
-    server = start_server(args, folder, drafter_dir, port, log)
+    server = start_server(server_flags(args, folder, drafter_dir), port, log)
     try:
         run_static(decoder, requests, args.clients)  # compiles every batch shape (untimed)
         conversations, budgets = [r[0] for r in requests], [r[2] for r in requests]
         served, static = [], []
         for _ in range(args.repeats):
-            served.append(run_clients(port, conversations, args.clients, budgets, ignore_eos=True))
+            served.append(run_clients(port, conversations, args.clients, budgets, {"ignore_eos": True}))
             static.append(run_static(decoder, requests, args.clients))
             print(f"pass: server {served[-1][1]:.1f} s, static {static[-1][1]:.1f} s", flush=True)
         mixed = {"server": summary(served), "static": summary(static)}

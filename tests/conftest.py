@@ -21,3 +21,18 @@ def built(tmp_path_factory):
         return made[kind]
 
     return get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """After each module, JAX's in-memory caches of compiled programs are dropped: a worker runs
+    dozens of modules, and kept they grew it past 6 GB (the next module that needs a program
+    reads it back from the persistent cache)."""
+    yield
+    import sys
+
+    if "jax" in sys.modules:
+        import gc
+
+        sys.modules["jax"].clear_caches()
+        gc.collect()

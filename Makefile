@@ -75,11 +75,16 @@ lint: $(VENV)/.installed-test
 	$(BIN)/ruff format --check .
 
 # tests run in parallel workers (most of a test's time is single-threaded XLA compilation), one file
-# per worker at a time so that module fixtures (models, reference runs) are built once
+# per worker at a time so that module fixtures (models, reference runs) are built once; the
+# compile-only suite (one process: the TPU compiler's library takes a lock) runs beside them, its
+# output printed once both end
 test: lint $(CVENV)/.installed $(VVENV)/.installed
-	@start=$$(date +%s); \
-	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25 && \
-	$(CBIN)/python -m pytest -q -p no:xdist tests/compile --durations=5 && \
+	@start=$$(date +%s); log=$$(mktemp); \
+	$(CBIN)/python -m pytest -q -p no:xdist tests/compile --durations=5 >$$log 2>&1 & compile=$$!; \
+	trap 'kill $$compile 2>/dev/null; rm -f $$log' EXIT; \
+	$(BIN)/python -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25; main=$$?; \
+	wait $$compile; compiled=$$?; echo "--- tests/compile ($(CVENV)):"; cat $$log; \
+	[ $$main -eq 0 ] && [ $$compiled -eq 0 ] && \
 	echo "make test: both suites passed in $$(( $$(date +%s) - start )) s"
 
 # the minutes-long checks the default run leaves out (the released-size head, the MoE matrix, the

@@ -78,9 +78,9 @@ def test_a_released_row_stops_and_its_slot_takes_the_next_prompt(decoder):
 
 
 def test_long_prompts_prefilled_in_pieces_decode_as_each_prompt_alone(decoder):
-    """A prefill call runs at most 128 prompt tokens, and about a step's worth ((K + 1) x the
-    decoding rows) while rows decode: prompts of up to 200 tokens go in pieces (several prompts a
-    call when they are short), beside rows that decode."""
+    """A prefill call runs at most 128 prompt tokens, fewer while rows decode (`Slots.budget`):
+    prompts of up to 200 tokens go in pieces (several prompts a call when they are short), beside
+    rows that decode."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(1, hf_tiny.VOCAB, size=int(n)).tolist() for n in (200, 3, 130, 64, 65, 7)]
     budgets = [NEW, NEW, 5, NEW, 1, NEW]
@@ -98,6 +98,22 @@ def test_long_prompts_prefilled_in_pieces_decode_as_each_prompt_alone(decoder):
         (3, 16),
         (3, 32),
     ]
+
+
+def test_a_prefill_call_takes_a_steps_worth_beside_a_full_batch_and_more_while_it_fills(decoder):
+    slots = Slots(decoder.engine, 16, 256, prefill_tokens=512, abstract=True)
+    step = decoder.engine.k + 1  # tokens a decoding slot verifies a step
+
+    def budget(decoding: int) -> int:
+        slots.holders = dict.fromkeys(range(decoding), "x")
+        return slots.budget()
+
+    assert budget(0) == 512
+    assert budget(1) == 512  # 15 of 16 slots empty: 480 tokens, the next power of two
+    assert budget(8) == 256
+    assert budget(13) == 128  # 96 tokens
+    assert budget(15) == max(16, 1 << (15 * step).bit_length() - 1)  # a full batch: a step's worth
+    assert budget(16) == 1 << (16 * step).bit_length() - 1
 
 
 def test_a_request_asking_for_its_prompts_logprobs_gets_them_piece_by_piece(decoder):

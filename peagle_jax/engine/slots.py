@@ -4,9 +4,10 @@ by piece and together, while the others decode.
 B rows of static KV caches (target and head) hold requests that come and go. `admit` gives a
 request a free slot; `prefill` runs one piece of the waiting prompts, several requests in one
 call (rows in powers of two), into their own slots (`Engine.extend`: chunked prefill), at most
-`prefill_tokens` prompt tokens a call, and about what a step verifies while others decode, so a
-long prompt never stalls the decoding slots for much more than a step; a request whose prompt is done has its first token and decodes from the next
-`step` on. A step (`Engine.step`) runs the rows up to the last busy one, rounded up to a power of
+`prefill_tokens` prompt tokens a call: about what a step verifies while a full batch decodes, so
+a long prompt never stalls the decoding slots for much more than a step, and up to
+`prefill_tokens`' share of the slots not decoding while the batch fills up (`budget`); a request
+whose prompt is done has its first token and decodes from the next `step` on. A step (`Engine.step`) runs the rows up to the last busy one, rounded up to a power of
 two; finished, free and still-prefilling rows are frozen (position -1). Every shape a call may
 take is in `shapes()`, so a server compiles them all before it serves (`warm_up`). Each row
 samples with its own settings and key: a request's tokens never depend on the other rows.
@@ -84,7 +85,7 @@ class Slots:
     `Engine` that keeps what a request may ask for (MAX_LOGPROBS log-probabilities, token counts
     for penalties). A step runs up to `rounds_per_step` rounds in one device loop, ending early
     after a round in which a row finished. A prefill call runs at most `prefill_tokens` prompt
-    tokens (rows x piece length), about a step's worth while slots decode (`budget`). `abstract`: the state is only its shapes and shardings (nothing
+    tokens (rows x piece length), less while slots decode (`budget`). `abstract`: the state is only its shapes and shardings (nothing
     allocated), for the plan to compile the slots' programs (`*_call`) for a device not here."""
 
     def __init__(self, engine: Engine, batch: int, max_len: int, rounds_per_step: int = 1, *,
@@ -125,13 +126,15 @@ class Slots:
         return next(r for r in self.row_counts() if r >= n)
 
     def budget(self) -> int:
-        """The prompt tokens the next prefill call may run: `prefill_tokens` while no slot decodes;
-        else about what a step verifies ((K + 1) x the decoding slots, a power of two), so a
-        prefill call stalls the decoding streams for about one step."""
+        """The prompt tokens the next prefill call may run (a power of two, at most
+        `prefill_tokens`): the larger of about what a step verifies ((K + 1) x the decoding
+        slots: a full batch's streams stall for about one step) and `prefill_tokens`' share of
+        the slots not decoding (a batch filling up is admitted in a few calls: each step over
+        empty slots is throughput lost, the stall falls on few streams)."""
         running = len(self.running)
-        if not running:
-            return self.prefill_tokens
-        return max(PIECE, min(self.prefill_tokens, _pow2_floor((self.engine.k + 1) * running)))
+        step = _pow2_floor((self.engine.k + 1) * running)
+        idle_share = _pow2_ceil(max(self.prefill_tokens * (self.batch - running) // self.batch, 1))
+        return max(PIECE, min(self.prefill_tokens, max(step, idle_share)))
 
     def prefill_rows(self, budget: int | None = None) -> list[int]:
         """The row counts a prefill call of `budget` prompt tokens runs at: each row takes at least

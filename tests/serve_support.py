@@ -52,7 +52,7 @@ class ServerProcess:
         self.headers = dict(headers or {})
         cmd = [sys.executable, "-m", "infer", "serve", *argv, "--port", str(self.port)]
         if "--prefill-chunk" not in argv:  # fewer prefill shapes to compile at each test server's start
-            cmd += ["--prefill-chunk", "64"]
+            cmd += ["--prefill-chunk", "16"]
         if model is not None:
             cmd += ["--served-model-name", model]
         self.proc = subprocess.Popen(

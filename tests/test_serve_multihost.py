@@ -6,7 +6,7 @@ follower's SIGTERM stops both processes (exit 0); a killed follower ends process
 and exit 1.
 
 Two servers start together (module fixture): one serves and is stopped, the other loses its
-follower. Prefill calls of one piece (--prefill-chunk 64) keep the programs to compile few."""
+follower. Prefill pieces of 16 tokens (--prefill-chunk 16) keep the programs to compile few."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ from serve_support import OnFirstUse, ServerProcess, alone, ask, free_port, mixe
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 3
-REQUESTS = mixed_requests(lengths=(3, 17, 30, 90))  # 90 tokens: two prefill pieces
-LAYOUT = ["--tensor", "2", "--data", "2", "--max-batch", "4", "--max-len", "128", "--prefill-chunk", "64"]
+REQUESTS = mixed_requests(lengths=(3, 17, 30, 90))  # 90 tokens: six prefill pieces
+LAYOUT = ["--tensor", "2", "--data", "2", "--max-batch", "4", "--max-len", "128", "--prefill-chunk", "16"]
 
 
 class Pair:

@@ -26,9 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.drafter import Drafter
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.timing import side_by_side, wall
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.handles.drafter import Drafter
+from peagle_jax.runtime.timing import side_by_side, wall
 from train.cod import chain_rows
 from train.spec import LossSpec
 from train.step import loss_and_metrics, split_params

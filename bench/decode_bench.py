@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 
 import peagle_jax as pj
-from peagle_jax.assets import prepare
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import speculative as sp
-from peagle_jax.folders import atomic_write_text
 from peagle_jax.models import layers
-from peagle_jax.timing import timed
+from peagle_jax.runtime.folders import atomic_write_text
+from peagle_jax.runtime.timing import timed
+from peagle_jax.sources.assets import prepare
 
 CACHE = 32768
 

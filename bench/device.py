@@ -17,7 +17,7 @@ Stages, in order (docs/device.md):
    same device), at 4096 / 16384 / 32768 tokens, then the Pallas step at doubling lengths
    until one fails: the longest that fits. Per length: compile seconds, median step ms,
    tokens/s, the roofline estimate of the step and measured / estimated (a GPU or TPU with
-   published rates: `peagle_jax.plan.roofline`), the process's peak device memory so far (``memory_stats()["peak_bytes_in_use"]``:
+   published rates: `peagle_jax.hardware.roofline`), the process's peak device memory so far (``memory_stats()["peak_bytes_in_use"]``:
    a running maximum, lengths run shortest first) and XLA's plan of the program's own
    buffers. First, the recipe's own step (256 tokens, the target inside) is timed: it sizes
    the next stage.
@@ -164,7 +164,7 @@ def prepare_assets(run: Run) -> dict:
     """Gemma-3-270M prepared (`python -m peagle_jax.assets`, once per machine; at once when its
     folder is there) before the stages that load it, so that none spends its share building it."""
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "peagle_jax.assets", "gemma3-270m"]
+    cmd = [sys.executable, "-m", "peagle_jax.sources.assets", "gemma3-270m"]
     rec = run_commands([cmd], max(30.0, 0.3 * run.left()), run.path("logs", "assets.log"))
     return {**rec, "seconds": round(time.monotonic() - t0, 1), "log": "logs/assets.log"}
 
@@ -277,14 +277,14 @@ def _self(run: Run, stage: str, seconds: float) -> list[str]:
 
 def target_folder(run: Run) -> str:
     """What `--target` names for a command line: --smoke's tiny config (written here, run with dummy
-    weights), an asset's prepared folder (`peagle_jax.assets`), else the name itself (a folder, a Hub
+    weights), an asset's prepared folder (`peagle_jax.sources.assets`), else the name itself (a folder, a Hub
     id, a preset)."""
     if run.smoke:
         folder = run.path("smoke-target")
         folder.mkdir(exist_ok=True)
         write_json(folder / "config.json", SMOKE_TARGET)
         return str(folder)
-    from peagle_jax.assets import ASSETS, prepare
+    from peagle_jax.sources.assets import ASSETS, prepare
 
     return str(prepare(run.args.target)) if run.args.target in ASSETS else run.args.target
 
@@ -313,8 +313,8 @@ def cost_mesh(run: Run, target: str) -> list[str]:
     if a.tensor or a.devices or a.data > 1:
         given = [f"--tensor={a.tensor}"] if a.tensor else [f"--devices={a.devices}"] if a.devices else []
         return given + ([f"--data={a.data}"] if a.data > 1 else [])
-    from peagle_jax.sharding import tensor_problem
-    from peagle_jax.target import target_source
+    from peagle_jax.handles.target import target_source
+    from peagle_jax.runtime.sharding import tensor_problem
 
     count = (run.results["device"] or {}).get("count") or 1
     try:
@@ -509,7 +509,7 @@ def run_stage(run: Run, name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    from peagle_jax.cli import UsageError, one_line
+    from peagle_jax.runtime.command_line import UsageError, one_line
 
     try:
         args = parse_args(argv)
@@ -545,8 +545,8 @@ def main(argv: list[str] | None = None) -> int:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """The flags, each checked before any stage runs: UsageError (one line naming the flag)."""
     from infer.flags import add_mesh_flags
-    from peagle_jax.cli import OneLineParser
-    from peagle_jax.folders import unwritable
+    from peagle_jax.runtime.command_line import OneLineParser
+    from peagle_jax.runtime.folders import unwritable
 
     p = OneLineParser(prog="python -m bench.device", description=__doc__.split("\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="the whole run's time budget (default 10)")

@@ -49,7 +49,7 @@ def _step_target(out: Path, smoke: bool, name: str, load_format: str):
     import numpy as np
 
     import peagle_jax as pj
-    from peagle_jax.assets import ASSETS, prepare
+    from peagle_jax.sources.assets import ASSETS, prepare
 
     if smoke:
         from train.tiny import build_tiny_target
@@ -106,8 +106,8 @@ def time_step(trainer, vocab: int, length: int, variant: str, steps: int) -> dic
 
     import kernels
     from kernels.limits import device_name
-    from peagle_jax.plan.devices import rates
-    from peagle_jax.timing import side_by_side
+    from peagle_jax.hardware.devices import rates
+    from peagle_jax.runtime.timing import side_by_side
     from train.step import batch_arrays
 
     st, h = trainer.stepper, trainer.drafter.config.hidden_size
@@ -149,9 +149,9 @@ def time_step(trainer, vocab: int, length: int, variant: str, steps: int) -> dic
 
 
 def step_estimate(traced, compiled, device):
-    """The roofline estimate of a compiled one-device step on `device` (`peagle_jax.plan.devices.rates`;
+    """The roofline estimate of a compiled one-device step on `device` (`peagle_jax.hardware.devices.rates`;
     None, as for the CPU, which has no published rates: no estimate)."""
-    from peagle_jax.plan.roofline import estimate, gathered_bytes, jaxpr_flops
+    from peagle_jax.hardware.roofline import estimate, gathered_bytes, jaxpr_flops
 
     plan = compiled.memory_analysis()
     if device is None or plan is None:
@@ -170,7 +170,7 @@ def recipe_step(trainer, vocab: int, length: int, steps: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from peagle_jax.timing import timed
+    from peagle_jax.runtime.timing import timed
 
     saved = (*jax.tree.map(jnp.copy, (trainer.params, trainer.opt_state)), trainer.step)
     recs = []
@@ -255,7 +255,7 @@ def _rel_err(x, ref) -> float:
 def _check_impls(impls: dict, args, base: dict, iters: int) -> list[dict]:
     """Rows of {impl, status, compile_s, ms, rel_err_vs_xla} for jitted `impls` (the first, XLA, is
     the reference of the others; more than 2e-2 relative error is WRONG)."""
-    from peagle_jax.timing import timed
+    from peagle_jax.runtime.timing import timed
 
     rows, want = [], None
     for name, f in impls.items():

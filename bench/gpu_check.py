@@ -77,7 +77,7 @@ def run_decode_timings(
 
     from kernels import decode, decode_gpu, dense
     from kernels.cases import decode_positions, rel_err
-    from peagle_jax.timing import back_to_back
+    from peagle_jax.runtime.timing import back_to_back
 
     dtype = jnp.float32 if smoke else jnp.bfloat16
     scale = d**-0.5
@@ -148,7 +148,7 @@ def run_timings(ns, smoke: bool, iters: int, hq: int, hkv: int, d: int):
 
     from kernels import AttentionSpec, attention, make_schedule
     from kernels.layouts import cod_layout
-    from peagle_jax.timing import timed
+    from peagle_jax.runtime.timing import timed
 
     mem = _device_bytes()
     dtype = jnp.float32 if smoke else jnp.bfloat16

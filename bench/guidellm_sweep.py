@@ -102,9 +102,9 @@ def load_data(load: str, args, folder: Path) -> dict:
 
 def mtbench_prompts(args) -> list[str]:
     """The MT-Bench first turns whose prompt, its output and a round's overshoot fit --max-len."""
-    from peagle_jax.chat import encode_prompt
+    from peagle_jax.conversations.chat import encode_prompt
     from peagle_jax.engine import load_prompts
-    from peagle_jax.target import load_tokenizer
+    from peagle_jax.handles.target import load_tokenizer
 
     tokenizer = load_tokenizer(args.target_folder)
     longest = args.max_len - args.output_tokens - 2 * args.k - 2

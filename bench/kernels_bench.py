@@ -48,7 +48,7 @@ def child(args):
 
     from kernels import AttentionSpec, attention, chain, make_schedule, slot_attention
     from kernels.layouts import cod_layout
-    from peagle_jax.timing import timed
+    from peagle_jax.runtime.timing import timed
 
     a, d, c = cod_layout(args.n, args.k, r=0.7, r_min=0.2, rng=0)
     T = len(a)

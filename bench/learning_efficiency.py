@@ -68,7 +68,7 @@ class Bench:
 
     def __init__(self, work: Path, head: str = "parallel"):
         import peagle_jax as pj
-        from peagle_jax.assets import prepare
+        from peagle_jax.sources.assets import prepare
         from train import data as D
         from train.loop import load_data
         from train.trainer import Trainer

@@ -161,7 +161,7 @@ def first_sizes(result: dict) -> tuple[int, int]:
 
 
 def estimate_rows(result: dict) -> list[list]:
-    """One row per program of a case that carries the roofline estimate (`peagle_jax.plan.roofline`)."""
+    """One row per program of a case that carries the roofline estimate (`peagle_jax.hardware.roofline`)."""
     dev, rows = result["device"], []
     costs = result.get("round_cost_in_decode_steps", {})
     for p in result["programs"]:

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from peagle_jax.config import RopeConfig, TargetConfig
+from peagle_jax.config.target_config import RopeConfig, TargetConfig
 from peagle_jax.models.decoder import Decoder
 from peagle_jax.models.registry import hf_config
-from peagle_jax.timing import side_by_side, timed
+from peagle_jax.runtime.timing import side_by_side, timed
 
 
 def bench_config(hidden=1024, layers=8, experts=32, top_k=4, vocab=32000, expert_width=512) -> TargetConfig:

@@ -103,7 +103,7 @@ class Loop:
             self.domain, self.other = plan.smoke_prompts(24, 0, args.seed), plan.smoke_prompts(8, 1, args.seed)
             self.names = ("words 0-27", "words 28-55")
         else:
-            from peagle_jax.assets import prepare
+            from peagle_jax.sources.assets import prepare
 
             self.target, self.target_shown = str(prepare("gemma3-270m")), "$(python -m peagle_jax.assets gemma3-270m)"
             self.domain, self.other = load_prompts("humaneval"), load_prompts("mtbench")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from peagle_jax.chat import user_turn
+from peagle_jax.conversations.chat import user_turn
 
 TINY_WORDS = 56  # the tiny preset target's words w0..w55 (train.tiny)
 

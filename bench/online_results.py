@@ -49,7 +49,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 def traffic_summary(loop) -> dict:
     """What the clients got (WORK/traffic.jsonl) and what the server logged (WORK/log)."""
-    from peagle_jax.request_log import read_requests
+    from peagle_jax.conversations.request_log import read_requests
 
     answers = read_jsonl(loop.work / "traffic.jsonl")
     logged = read_requests(loop.work / "log")

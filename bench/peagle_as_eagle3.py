@@ -28,8 +28,8 @@ import peagle_jax as pj
 from bench.command import command_line
 from infer.compare import Head, compare
 from infer.load import source_prompt_ids
-from peagle_jax.assets import ASSETS, prepare
-from peagle_jax.folders import atomic_write_text
+from peagle_jax.runtime.folders import atomic_write_text
+from peagle_jax.sources.assets import ASSETS, prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 

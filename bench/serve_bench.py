@@ -43,9 +43,9 @@ import numpy as np
 import peagle_jax as pj
 from bench.command import command_line
 from infer import SpeculativeDecoder
-from peagle_jax.assets import prepare
-from peagle_jax.chat import encode_prompt
+from peagle_jax.conversations.chat import encode_prompt
 from peagle_jax.engine import load_prompts
+from peagle_jax.sources.assets import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -43,10 +43,10 @@ import peagle_jax as pj
 from bench.command import command_line
 from bench.serve_bench import free_port, run_clients, server_flags, start_server, stream_one, summary
 from infer import SpeculativeDecoder
-from peagle_jax.assets import prepare
-from peagle_jax.chat import encode_prompt
+from peagle_jax.conversations.chat import encode_prompt
 from peagle_jax.engine import SamplingParams
 from peagle_jax.engine import cache as kv
+from peagle_jax.sources.assets import prepare
 from train.data import load_conversations, to_messages
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,7 +20,7 @@ def target_folder(name: str) -> str:
     """A HF folder: `name` itself, or the prepared asset's folder for "gemma3-270m"."""
     if name != "gemma3-270m":
         return name
-    from peagle_jax.assets import prepare
+    from peagle_jax.sources.assets import prepare
 
     return str(prepare(name))
 

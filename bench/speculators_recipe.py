@@ -157,7 +157,7 @@ def _check_heads(model, folder: Path, draft_ids, trust_remote_code: bool) -> Non
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from peagle_jax.weights import Checkpoint
+    from peagle_jax.sources.weights import Checkpoint
 
     config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code).get_text_config()
     keys = Checkpoint(folder).where

@@ -11,7 +11,7 @@ the same prompts and token counts on both sides. JAX: the engine's plain decodin
 jitted `lax.while_loop` of rounds, warmed up first so compile time is excluded.
 transformers: `generate(max_new_tokens=1)` is the prefill; `generate(max_new_tokens=N)` minus it
 is the decode (min_new_tokens=N so EOS never stops early). Runs alternate between the two
-(the machine is shared: `peagle_jax.timing.side_by_side`); the best of `--repeats` is reported
+(the machine is shared: `peagle_jax.runtime.timing.side_by_side`); the best of `--repeats` is reported
 (all times go to the JSON). Decoding at batch B reads every weight once per step, so weight
 bytes per decoded token = param bytes / B and the implied bandwidth = param bytes * steps/s.
 """
@@ -127,14 +127,14 @@ def main(argv=None) -> int:
     import torch
 
     import peagle_jax as pj
-    from peagle_jax.timing import side_by_side
+    from peagle_jax.runtime.timing import side_by_side
 
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     if args.path:
         folder = Path(args.path)
     else:
-        from peagle_jax.assets import prepare
+        from peagle_jax.sources.assets import prepare
 
         folder = prepare(args.asset)
     t0 = time.perf_counter()

@@ -53,15 +53,15 @@ def _available_gb() -> float:
 
 def child(length: int, segments: int, steps: int, out: str) -> None:
     """One configuration: build, one (or two) steps, write the numbers to `out`."""
-    from peagle_jax.host import reuse_freed_memory
+    from peagle_jax.runtime.host import reuse_freed_memory
 
     reuse_freed_memory()  # as `python -m train` does
     import jax
     import numpy as np
 
     import peagle_jax as pj
-    from peagle_jax.assets import prepare
-    from peagle_jax.timing import side_by_side
+    from peagle_jax.runtime.timing import side_by_side
+    from peagle_jax.sources.assets import prepare
     from train import cod
     from train.data import Example
     from train.flags import from_dict

@@ -36,7 +36,7 @@ loss cost us no vocabulary work (`train.loss.fused_kl`), speculators computes th
 
 Timing: each side's first step (XLA compile; torch's first call) is excluded, then --repeats
 rounds of ours, theirs (each --their-attn), ours, theirs, ... in one process
-(`peagle_jax.timing.side_by_side`); the median and
+(`peagle_jax.runtime.timing.side_by_side`); the median and
 min step times are reported, with sequence tokens/s and COD rows/s (real rows, the same both
 sides), and speedup = their median / ours. --threads N restricts the process to N cores (XLA
 sizes its pool from the affinity mask) and sets torch's threads to N. --profile adds one
@@ -106,7 +106,7 @@ def build(
         with tempfile.TemporaryDirectory() as tmp:
             target = pj.load_target(build_tiny_target(Path(tmp) / "tiny"), dtype="float32")
     else:
-        from peagle_jax.assets import prepare
+        from peagle_jax.sources.assets import prepare
 
         target = pj.load_target(prepare("gemma3-270m"), dtype="float32")
     v, h = target.config.vocab_size, target.config.hidden_size
@@ -226,7 +226,7 @@ def measure(length: int, a) -> dict:
     our_step, our_hlo, theirs, info = build(
         length, a.threads, a.their_attn, a.small, a.train_embed, a.attention, a.loss_fraction, a.layers
     )
-    from peagle_jax.timing import side_by_side, wall
+    from peagle_jax.runtime.timing import side_by_side, wall
 
     steps = {"ours": our_step, **{attn: step for attn, (step, _) in theirs.items()}}
     info["ours_first_s"], info["loss_ours"] = wall(our_step)
@@ -297,7 +297,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--default-malloc",
         action="store_true",
-        help="leave glibc's allocator as it is (default: peagle_jax.host.reuse_freed_memory, as the trainer)",
+        help="leave glibc's allocator as it is (default: peagle_jax.runtime.host.reuse_freed_memory, as the trainer)",
     )
     ap.add_argument(
         "--layers", type=int, default=1, help="drafter layers (the trainer's default 1; the released heads have 4)"
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
         if "jax" in sys.modules or "torch" in sys.modules:
             ap.error("--threads below the available cores needs a fresh process (jax/torch already imported)")
         os.sched_setaffinity(0, cpus[: a.threads])
-    from peagle_jax.host import reuse_freed_memory
+    from peagle_jax.runtime.host import reuse_freed_memory
 
     reused = not a.default_malloc and reuse_freed_memory()  # both sides, as `python -m train` does
 

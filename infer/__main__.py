@@ -23,7 +23,7 @@ from infer.load import (
     target_config,
 )
 from infer.serve.cli import add_serve_args, dist_problem, join_processes, run_serve
-from peagle_jax.cli import (
+from peagle_jax.runtime.command_line import (
     DefaultsFormatter,
     OneLineParser,
     UsageError,
@@ -119,7 +119,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.command == "bench" and args.drafter and len(set(args.drafter)) != len(args.drafter):
         parser.error("--drafter: the same folder is given twice")
     if args.command == "bench" and args.json_out:
-        from peagle_jax.folders import unwritable
+        from peagle_jax.runtime.folders import unwritable
 
         why = unwritable(Path(args.json_out), "file")
         if why:
@@ -174,7 +174,7 @@ def _check_cost(parser, args) -> argparse.Namespace:
     if args.drafter.startswith("new") and new_head_layers(args.drafter) is None and not Path(args.drafter).exists():
         parser.error(f"--drafter {args.drafter}: expected a head folder, new or new:LAYERS")
     if args.json_out:
-        from peagle_jax.folders import unwritable
+        from peagle_jax.runtime.folders import unwritable
 
         why = unwritable(Path(args.json_out), "file")
         if why:
@@ -185,7 +185,7 @@ def _check_cost(parser, args) -> argparse.Namespace:
 def _check_paths(parser, args) -> None:
     """The folders and files the flags name, judged before anything loads: a path that exists,
     or a Hub id (org/name) to download."""
-    from peagle_jax.hub import is_repo_id
+    from peagle_jax.sources.hub import is_repo_id
 
     drafters = args.drafter if isinstance(args.drafter, list) else [args.drafter]
     heads = [d for d in drafters if d and new_head_layers(d) is None]  # new[:LAYERS]: a fresh head
@@ -329,7 +329,7 @@ def _work(args) -> int:
 
 
 def _dispatch(args) -> int:
-    from peagle_jax.compile_cache import enable_compile_cache
+    from peagle_jax.runtime.compile_cache import enable_compile_cache
 
     check_k(args)
     if args.command == "serve":

@@ -22,7 +22,7 @@ from infer.load import mesh_record, source_prompt_ids
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine.costs import round_breakdown
-from peagle_jax.folders import atomic_write_text
+from peagle_jax.runtime.folders import atomic_write_text
 
 
 @dataclasses.dataclass

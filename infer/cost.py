@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from infer.load import mesh_record, synthetic_prompts
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine.costs import round_breakdown, round_timing
-from peagle_jax.folders import atomic_write_text
-from peagle_jax.timing import timed
+from peagle_jax.runtime.folders import atomic_write_text
+from peagle_jax.runtime.timing import timed
 
 COLUMNS = (
     "mode",

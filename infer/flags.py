@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from peagle_jax.cli import number_type, positive_int
+from peagle_jax.runtime.command_line import number_type, positive_int
 
 MODES = ("parallel", "chain", "dflash")
 
@@ -109,7 +109,7 @@ def bool_word(text: str) -> bool:
     return BOOL_WORDS[text.lower()]
 
 
-DIST_KINDS = {  # how each field of peagle_jax.distributed.DistConfig is typed on the command line
+DIST_KINDS = {  # how each field of peagle_jax.runtime.distributed.DistConfig is typed on the command line
     "coordinator": dict(metavar="HOST:PORT"),
     "num_processes": dict(type=positive_int, metavar="N"),
     "process_id": dict(type=non_negative_int, metavar="I"),
@@ -120,9 +120,9 @@ DIST_KINDS = {  # how each field of peagle_jax.distributed.DistConfig is typed o
 
 
 def add_dist_flags(p: argparse.ArgumentParser) -> None:
-    """The trainer's `--dist.*` flags (their names, defaults and help: `peagle_jax.distributed`):
+    """The trainer's `--dist.*` flags (their names, defaults and help: `peagle_jax.runtime.distributed`):
     one run over several processes, one a host (`--dist.process-id` spelt with a dash too)."""
-    from peagle_jax.distributed import DistConfig, field_help
+    from peagle_jax.runtime.distributed import DistConfig, field_help
 
     group = p.add_argument_group("several hosts (one process each, JAX multi-controller)")
     for field in dataclasses.fields(DistConfig):
@@ -133,6 +133,6 @@ def add_dist_flags(p: argparse.ArgumentParser) -> None:
 
 def dist_config(args):
     """The `DistConfig` of the `--dist.*` flags."""
-    from peagle_jax.distributed import DistConfig
+    from peagle_jax.runtime.distributed import DistConfig
 
     return DistConfig(**{f.name: getattr(args, f"dist_{f.name}") for f in dataclasses.fields(DistConfig)})

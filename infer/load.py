@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from peagle_jax.cli import positive_int
+from peagle_jax.runtime.command_line import positive_int
 
 NEW_DRAFT_VOCAB = 16384  # train's model.draft_vocab default
 SYNTHETIC = "synthetic:"  # --prompts synthetic:LENGTHS: random token ids, no tokenizer needed
@@ -31,7 +31,7 @@ def new_head_layers(spec: str) -> int | None:
 
 def target_config(args):
     """The target's config from --target and --load-format, no weight read."""
-    from peagle_jax.target import target_source
+    from peagle_jax.handles.target import target_source
 
     return target_source(args.target, args.load_format)[0]
 
@@ -64,7 +64,7 @@ def check_mesh(args) -> None:
     (serve's slots, bench's and cost's batches) that --data does not divide, a target that
     --tensor does not split (`sharding.tensor_problem`, from its config alone), more devices than
     the machine has."""
-    from peagle_jax.cli import UsageError
+    from peagle_jax.runtime.command_line import UsageError
 
     flag, name = ROWS_FLAGS.get(args.command, (None, None))
     rows = getattr(args, name) if name else []
@@ -86,8 +86,8 @@ def check_mesh(args) -> None:
         )
     if tensor * data == 1:
         return
-    from peagle_jax.sharding import tensor_problem
-    from peagle_jax.target import target_source
+    from peagle_jax.handles.target import target_source
+    from peagle_jax.runtime.sharding import tensor_problem
 
     why = tensor_problem(target_source(args.target, "dummy")[0], tensor)  # config.json (or the preset) only
     if why:
@@ -104,7 +104,7 @@ def command_mesh(args):
     tensor, data = mesh_sizes(args)
     if tensor * data == 1:
         return None
-    from peagle_jax.sharding import make_mesh
+    from peagle_jax.runtime.sharding import make_mesh
 
     return make_mesh(tensor=tensor, data=data)
 

@@ -13,11 +13,11 @@ per-row metadata. ``kernels.layouts.cod_layout`` builds COD row layouts for test
 This package depends on nothing else in the project.
 """
 
-from . import chain, decode, dense, layouts, reference, schedule, slots
+from . import chain, decode, dense, layouts, mask_slot, reference, schedule
 from .api import DENSE_MAX_ROWS, attention, for_platform, platform, resolve_backend
+from .mask_slot import slot_attention
 from .partition import partitioned
 from .schedule import BlockSchedule, make_schedule
-from .slots import slot_attention
 from .spec import AttentionSpec, visible
 
 __all__ = [
@@ -36,7 +36,7 @@ __all__ = [
     "make_schedule",
     "reference",
     "schedule",
-    "slots",
+    "mask_slot",
     "slot_attention",
     "layouts",
 ]

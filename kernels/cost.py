@@ -1,5 +1,5 @@
 """The kernels' analytic costs, attached to every Pallas call as its `pl.CostEstimate`: XLA's TPU
-scheduler reads them, and `peagle_jax.plan.roofline` adds them to a program's FLOPs (a Pallas call
+scheduler reads them, and `peagle_jax.hardware.roofline` adds them to a program's FLOPs (a Pallas call
 is opaque to every cost analysis).
 
 FLOPs count the visible (query, key) pairs as causal over positions in order, each query row the

@@ -1,15 +1,15 @@
 """peagle-jax: P-EAGLE (parallel drafting EAGLE) speculative decoding in JAX/Flax."""
 
-_LAZY = {  # every name loads on first use: `import peagle_jax.cli` stays instant (a CLI's handlers go in first)
-    "ConfigError": "peagle_jax.config",
-    "RopeConfig": "peagle_jax.config",
-    "TargetConfig": "peagle_jax.config",
-    "load_target": "peagle_jax.target",
-    "Target": "peagle_jax.target",
-    "new_drafter": "peagle_jax.drafter",
-    "load_drafter": "peagle_jax.drafter",
-    "Drafter": "peagle_jax.drafter",
-    "DrafterConfig": "peagle_jax.drafter",
+_LAZY = {  # every name loads on first use: `import peagle_jax.runtime.command_line` stays instant (a CLI's handlers go in first)
+    "ConfigError": "peagle_jax.config.target_config",
+    "RopeConfig": "peagle_jax.config.target_config",
+    "TargetConfig": "peagle_jax.config.target_config",
+    "load_target": "peagle_jax.handles.target",
+    "Target": "peagle_jax.handles.target",
+    "new_drafter": "peagle_jax.handles.drafter",
+    "load_drafter": "peagle_jax.handles.drafter",
+    "Drafter": "peagle_jax.handles.drafter",
+    "DrafterConfig": "peagle_jax.handles.drafter",
 }
 
 __all__ = [*_LAZY]

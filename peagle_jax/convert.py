@@ -3,7 +3,7 @@ line (`peagle_jax.formats.convert`), its interrupt handlers installed before it 
 
 import sys
 
-from peagle_jax.cli import exit_interrupted, terminate_as_interrupt
+from peagle_jax.runtime.command_line import exit_interrupted, terminate_as_interrupt
 
 
 def main(argv=None) -> int:

@@ -2,7 +2,7 @@
 
     python -m peagle_jax.demo [--prompt TEXT] [--max-new-tokens N] [--dtype float32|bfloat16]
 
-Prepares the model folder (`peagle_jax.assets.prepare("gemma3-270m")`, built once from the
+Prepares the model folder (`peagle_jax.sources.assets.prepare("gemma3-270m")`, built once from the
 PyPI GGUF package and cached), loads it with `load_target`, generates greedily with
 `peagle_jax.engine.generation.generate_greedy` (the engine's plain decoding: jitted prefill +
 `lax.while_loop` of decode steps) and prints the text and the
@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run
+from peagle_jax.runtime.command_line import DefaultsFormatter, OneLineParser, UsageError, run
 
 DEFAULT_PROMPT = "The three most important ideas in computer science are"
 
@@ -26,7 +26,7 @@ def _parser() -> OneLineParser:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
     p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens at most")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target dtype")
-    p.add_argument("--asset", default="gemma3-270m", help="asset name for peagle_jax.assets.prepare")
+    p.add_argument("--asset", default="gemma3-270m", help="asset name for peagle_jax.sources.assets.prepare")
     p.add_argument("--path", help="use this HF folder instead of the prepared asset")
     p.add_argument("--no-warm", action="store_true", help="run once (the speed then includes compilation)")
     return p
@@ -46,7 +46,7 @@ def _demo(args) -> int:
     if args.path:
         folder = args.path
     else:
-        from peagle_jax.assets import prepare
+        from peagle_jax.sources.assets import prepare
 
         folder = prepare(args.asset)
     t0 = time.perf_counter()

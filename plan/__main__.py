@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 from infer.flags import add_mesh_flags
-from peagle_jax.cli import OneLineParser, positive_int, run
-from peagle_jax.folders import atomic_write_text, unwritable
+from peagle_jax.runtime.command_line import OneLineParser, positive_int, run
+from peagle_jax.runtime.folders import atomic_write_text, unwritable
 
-# peagle_jax.plan.devices and peagle_jax.models.presets load JAX (seconds): imported where used, once `run` has
+# peagle_jax.hardware.devices and peagle_jax.models.presets load JAX (seconds): imported where used, once `run` has
 # installed the interrupt handlers
 
 
@@ -69,8 +69,8 @@ def parse(argv):
     args = parser().parse_args(argv)
     if args.list:
         return args
+    from peagle_jax.hardware.devices import parse_device
     from peagle_jax.models.presets import PRESETS
-    from peagle_jax.plan.devices import parse_device
 
     if not (args.target and args.device):
         parser().error("--target and --device are required")
@@ -110,7 +110,7 @@ def _check_mesh_flags(args) -> None:
     the target split by --tensor (`sharding.tensor_problem`). Resolved into `args.tensor`."""
     from infer.load import mesh_flags
     from peagle_jax.models.presets import target_config
-    from peagle_jax.sharding import tensor_problem
+    from peagle_jax.runtime.sharding import tensor_problem
 
     if args.tensor is None and args.devices is None and args.data == 1:
         return
@@ -154,8 +154,8 @@ def _check_work_flags(args) -> None:
 
 
 def work(args) -> int:
+    from peagle_jax.hardware.devices import deviceless_env
     from peagle_jax.models.presets import PRESETS, target_config
-    from peagle_jax.plan.devices import deviceless_env
 
     if args.list:
         print("\n".join(PRESETS))

@@ -1,10 +1,10 @@
 """The programs a user runs, built over abstract weights and compiled for a device without one.
 
 Weights are `jax.ShapeDtypeStruct`s (`nnx.eval_shape`: nothing allocated, nothing read) carrying
-the shardings the real run gives them (the `peagle_jax.sharding` rule table over a mesh of the
+the shardings the real run gives them (the `peagle_jax.runtime.sharding` rule table over a mesh of the
 topology's devices), so `jit(...).lower(...).compile()` runs the device's own compiler (XLA GPU with
 Triton and ptxas, or XLA TPU with Mosaic) on the real shapes; the trace's jaxpr gives the FLOPs
-of the roofline estimate (`peagle_jax.plan.roofline`). Jobs: the train step (the head's
+of the roofline estimate (`peagle_jax.hardware.roofline`). Jobs: the train step (the head's
 trainer step with the target inside it, as `python -m train` runs it) and serving (the speculative
 round of each mode, and the plain decode step: the engine's mode "none").
 """
@@ -22,13 +22,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import kernels
-from peagle_jax.cli import interruptible
-from peagle_jax.drafter import Drafter, head_config
 from peagle_jax.engine import Engine, Slots
-from peagle_jax.models.drafter import abstract_drafter, flat_state, param_key
-from peagle_jax.plan.launches import Launches, count_launches
-from peagle_jax.plan.roofline import gathered_bytes, jaxpr_flops
-from peagle_jax.sharding import (
+from peagle_jax.handles.drafter import Drafter, head_config
+from peagle_jax.handles.target import Target
+from peagle_jax.hardware.launches import Launches, count_launches
+from peagle_jax.hardware.roofline import gathered_bytes, jaxpr_flops
+from peagle_jax.models.eagle import abstract_drafter, flat_state, param_key
+from peagle_jax.runtime.command_line import interruptible
+from peagle_jax.runtime.sharding import (
     AXES,
     kernels_partitioned,
     make_mesh,
@@ -36,8 +37,7 @@ from peagle_jax.sharding import (
     state_shardings,
     tree_shardings,
 )
-from peagle_jax.target import Target
-from peagle_jax.weights import abstract_model
+from peagle_jax.sources.weights import abstract_model
 
 __all__ = ["Program", "abstract_target", "abstract_head", "train_step", "serve_round", "compile_program", "mesh_of"]
 
@@ -172,7 +172,7 @@ def _train_config(mode: str, tokens: int, batch: int, compute_dtype: str, segmen
 
 def train_flags_error(mode: str, tokens: int, flags) -> str | None:
     """Why the trainer refuses these `python -m train` flags for a `mode` plan (None: it takes them)."""
-    from peagle_jax.cli import UsageError, one_line
+    from peagle_jax.runtime.command_line import UsageError, one_line
 
     try:
         _train_config(mode, tokens, 1, "bfloat16", "auto", flags)

@@ -6,9 +6,9 @@ import dataclasses
 
 import jax
 
-from peagle_jax.plan.devices import Device, topology_devices
-from peagle_jax.plan.launches import Launches
-from peagle_jax.plan.roofline import Estimate, estimate
+from peagle_jax.hardware.devices import Device, topology_devices
+from peagle_jax.hardware.launches import Launches
+from peagle_jax.hardware.roofline import Estimate, estimate
 from plan.execute import run_compiled
 from plan.programs import (
     Program,
@@ -108,7 +108,7 @@ def _serve_trace(target, mode, batch, k, cache_len):
 def local_devices(device: Device) -> list:
     """This machine's devices when they are `device` (for --run), else a UsageError naming both."""
     from kernels.limits import device_name
-    from peagle_jax.cli import UsageError
+    from peagle_jax.runtime.command_line import UsageError
 
     devs = jax.devices()
     if device_name(devs[0]) != device.kind or len(devs) < device.count or device.hosts > 1:

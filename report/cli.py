@@ -31,8 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from peagle_jax.cli import DefaultsFormatter, OneLineParser, run
-from peagle_jax.folders import atomic_folder, atomic_write_text, check_destination
+from peagle_jax.runtime.command_line import DefaultsFormatter, OneLineParser, run
+from peagle_jax.runtime.folders import atomic_folder, atomic_write_text, check_destination
 from report.common import HEADS, log
 from report.evaluate import collect, stage_eval
 from report.plots import plots

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from peagle_jax.folders import atomic_write_text
+from peagle_jax.runtime.folders import atomic_write_text
 from report.common import dflash_block_size, log
 
 

@@ -12,10 +12,10 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from peagle_jax.drafter import Drafter
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
 from peagle_jax.formats.convert import INDEX_FILE, main
-from peagle_jax.models.drafter import abstract_drafter, flat_state
+from peagle_jax.handles.drafter import Drafter
+from peagle_jax.models.eagle import abstract_drafter, flat_state
 
 V, H, L_DRAFT = 64, 32, 2
 HEADS, KV, HD, INTER = 4, 2, 8, 48

@@ -2,7 +2,7 @@
 
 It speaks what vLLM speaks to `train.regenerate_endpoint`: GET `v1/models`, POST `v1/completions`
 (a token-id prompt) and `v1/chat/completions` (messages, templated with the project's own
-`peagle_jax.chat.encode_prompt`), greedy only (temperature 0), `stop_token_ids` added to the
+`peagle_jax.conversations.chat.encode_prompt`), greedy only (temperature 0), `stop_token_ids` added to the
 target's eos ids, `token_ids` / `prompt_token_ids` in the reply when `return_token_ids` asks.
 The answers are the project's own engine's (`peagle_jax.engine.generate_greedy`) on a real target.
 
@@ -17,7 +17,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from peagle_jax.chat import encode_prompt
+from peagle_jax.conversations.chat import encode_prompt
 from peagle_jax.engine import generate_greedy
 
 

@@ -1,4 +1,4 @@
-"""peagle_jax.assets: the cache/registry logic with fake assets (fast), and the real Gemma-3-270M
+"""peagle_jax.sources.assets: the cache/registry logic with fake assets (fast), and the real Gemma-3-270M
 folder (marked ``real``: builds it once, ~1 min, or reuses the cache)."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import sys
 import pytest
 from limits import HANG_S
 
-from peagle_jax import assets
-from peagle_jax.assets import Asset, AssetError, prepare
+from peagle_jax.sources import assets
+from peagle_jax.sources.assets import Asset, AssetError, prepare
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _run_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "peagle_jax.assets", *args],
+        [sys.executable, "-m", "peagle_jax.sources.assets", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -15,7 +15,7 @@ import pytest
 from in_process import run_module
 
 import peagle_jax as pj
-from peagle_jax.config import ConfigError
+from peagle_jax.config.target_config import ConfigError
 from peagle_jax.formats import export_speculators, export_vllm
 from train import config as C
 
@@ -137,7 +137,7 @@ def test_python_api_names_a_run_folder(folders):
 
 def test_train_api_refuses_a_head_as_out(folders):
     """A config built in Python (no flags parsed) is checked where the run makes OUT."""
-    from peagle_jax.cli import UsageError
+    from peagle_jax.runtime.command_line import UsageError
     from train.flags import from_dict
     from train.loop import prepare_out
 

@@ -19,8 +19,8 @@ from test_dflash_formats import H, V
 from test_dflash_formats import head as dflash_head
 
 import peagle_jax as pj
-from peagle_jax.drafter import Drafter
 from peagle_jax.formats import export_vllm, inspect_folder
+from peagle_jax.handles.drafter import Drafter
 
 HUGE_SEED = "999999999999999999999"
 TARGET_LAYERS = 6  # the DFlash head reads layers (2, 5, 7): 7 is outside

@@ -1,4 +1,4 @@
-"""The command lines' persistent compilation cache (`peagle_jax.compile_cache`): where it goes, how it
+"""The command lines' persistent compilation cache (`peagle_jax.runtime.compile_cache`): where it goes, how it
 is turned off, and that a real command fills it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from limits import HANG_S
 
-from peagle_jax.compile_cache import cache_folder
+from peagle_jax.runtime.compile_cache import cache_folder
 
 REPO = Path(__file__).resolve().parents[1]
 

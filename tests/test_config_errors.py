@@ -11,8 +11,8 @@ import shutil
 import pytest
 from head_folders import random_drafter, run
 
-from peagle_jax.config import ConfigError
-from peagle_jax.drafter import load_drafter
+from peagle_jax.config.target_config import ConfigError
+from peagle_jax.handles.drafter import load_drafter
 
 CASES = {  # name: (the edit of drafter.json's config, what the line says after "drafter.json key 'config': ")
     "mode": ({"mode": "bogus"}, "mode must be one of ('parallel', 'chain', 'dflash'), got 'bogus'"),

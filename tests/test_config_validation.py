@@ -1,4 +1,4 @@
-"""Config files are checked field by field when they load (`peagle_jax.config`'s spec tables):
+"""Config files are checked field by field when they load (`peagle_jax.config.target_config`'s spec tables):
 target config.json of every family (types, ranges, token ids in the vocabulary, the attention
 shape), generation_config.json, drafter heads in the vLLM and speculators layouts, and corrupt
 tokenizer files. Each error is one line naming the file and the key; through `python -m infer` it
@@ -16,10 +16,10 @@ from in_process import run_module
 
 import peagle_jax as pj
 from infer.__main__ import main
-from peagle_jax.config import ConfigError
+from peagle_jax.config.target_config import ConfigError
 from peagle_jax.formats import read_speculators_config, read_vllm_config
+from peagle_jax.handles.target import load_tokenizer
 from peagle_jax.models.registry import target_config
-from peagle_jax.target import load_tokenizer
 
 # family -> the tiny HF model (tests/hf_tiny.py) whose config.json the tests edit
 KINDS = {

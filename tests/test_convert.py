@@ -41,9 +41,9 @@ from head_folders import (
 from limits import HANG_S
 from safetensors.numpy import load_file, save_file
 
-from peagle_jax.config import RopeConfig
-from peagle_jax.drafter import load_drafter
+from peagle_jax.config.target_config import RopeConfig
 from peagle_jax.formats.convert import INDEX_FILE, parse_size
+from peagle_jax.handles.drafter import load_drafter
 
 REPO = Path(__file__).resolve().parents[1]
 

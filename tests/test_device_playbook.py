@@ -277,7 +277,7 @@ def test_the_train_step_stage_estimates_a_step_where_the_device_has_rates():
     import jax
     import jax.numpy as jnp
 
-    from peagle_jax.plan.devices import rates
+    from peagle_jax.hardware.devices import rates
 
     stages = _module("device_stages")
     w, x = jnp.ones((256, 512)), jnp.ones((64, 256))

@@ -11,7 +11,7 @@ import json
 import pytest
 from test_dflash_formats import EXPORTS, head
 
-from peagle_jax.config import ConfigError
+from peagle_jax.config.target_config import ConfigError
 from peagle_jax.formats import inspect_folder, read_drafter
 from peagle_jax.formats.convert import main
 from peagle_jax.formats.dflash_causality import (

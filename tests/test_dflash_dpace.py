@@ -14,7 +14,7 @@ import pytest
 import test_train_dflash as train_dflash
 from test_train_dflash import block_batch
 
-from peagle_jax.cli import UsageError
+from peagle_jax.runtime.command_line import UsageError
 from train.blocks import block_loss_and_metrics, dpace_weights
 from train.flags import parse_args
 from train.loop import run

@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from peagle_jax.config import ConfigError, RopeConfig
-from peagle_jax.drafter import Drafter, load_drafter
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.target_config import ConfigError, RopeConfig
 from peagle_jax.formats import (
     DrafterIOError,
     detect_format,
@@ -29,6 +28,7 @@ from peagle_jax.formats import (
     read_drafter,
     serve_command,
 )
+from peagle_jax.handles.drafter import Drafter, load_drafter
 
 V, H, VD = 64, 32, 40
 AUX = (2, 5, 7)

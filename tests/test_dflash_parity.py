@@ -22,9 +22,9 @@ from speculators.models.dflash import core as dflash_core  # noqa: E402
 from speculators.models.dflash.config import DFlashSpeculatorConfig  # noqa: E402
 from transformers import Qwen3Config  # noqa: E402
 
-from peagle_jax.config import RopeConfig  # noqa: E402
-from peagle_jax.drafter import Drafter  # noqa: E402
-from peagle_jax.drafter_config import DrafterConfig  # noqa: E402
+from peagle_jax.config.drafter_config import DrafterConfig  # noqa: E402
+from peagle_jax.config.target_config import RopeConfig  # noqa: E402
+from peagle_jax.handles.drafter import Drafter  # noqa: E402
 from peagle_jax.models.dflash import block_rows_states  # noqa: E402
 
 TOL = 1e-5

@@ -19,11 +19,11 @@ from test_dflash_engine import cached_block_logits, reference_logits
 
 import kernels
 import peagle_jax as pj
-from peagle_jax.config_fields import ConfigError
-from peagle_jax.drafter import Drafter
+from peagle_jax.config.fields import ConfigError
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import speculative as sp
 from peagle_jax.formats import export_speculators, export_vllm, inspect_folder, read_drafter
+from peagle_jax.handles.drafter import Drafter
 from peagle_jax.models.dflash import causal_block_specs
 
 S, F = "sliding_attention", "full_attention"

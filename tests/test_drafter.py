@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from peagle_jax.config import RopeConfig
-from peagle_jax.drafter import Drafter, load_drafter, new_drafter
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.target_config import RopeConfig
 from peagle_jax.engine import cache as kv
 from peagle_jax.formats import export_speculators, export_vllm
-from peagle_jax.models.drafter import (
+from peagle_jax.handles.drafter import Drafter, load_drafter, new_drafter
+from peagle_jax.models.eagle import (
     cod_rows_forward,
     draft_to_target,
     peagle_mask,
@@ -321,7 +321,7 @@ def test_cod_rows_match_the_inference_layout():
 # ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from peagle_jax.target import load_target
+    from peagle_jax.handles.target import load_target
 
     hf_tiny = _hf_tiny()
     folder = tmp_path_factory.mktemp("llama")
@@ -369,7 +369,7 @@ def test_new_drafter_from_target(tiny_target, tmp_path):
 
 
 def test_new_drafter_gemma_target(tmp_path):
-    from peagle_jax.target import load_target
+    from peagle_jax.handles.target import load_target
 
     hf_tiny = _hf_tiny()
     hf_tiny.build("gemma3", tmp_path / "g")
@@ -485,8 +485,8 @@ def test_cod_rows_through_the_slot_attention_equal_the_dense_rule():
     trainer's plain head the same way)."""
     flags = dict(qk_norm=True, norm_before_residual=True, sliding_window=6, layer_types=("sliding_attention",) * 2)
     from kernels.layouts import cod_layout, pad_layout
-    from kernels.slots import check_layout
-    from peagle_jax.models.drafter import cod_rows_states
+    from kernels.mask_slot import check_layout
+    from peagle_jax.models.eagle import cod_rows_states
 
     config = dataclasses.replace(BASE, max_position_embeddings=64, **flags)
     d = perturbed(config)

@@ -1,4 +1,4 @@
-"""`new_drafter(init_layer=N)` (peagle_jax/drafter_init.py): a head's first layer started from a
+"""`new_drafter(init_layer=N)` (peagle_jax/handles/drafter_init.py): a head's first layer started from a
 target decoder layer. On a Llama target the started layer, its embedding half of q / k / v set to
 zero, computes exactly what the target layer computes on the same states; on Gemma 3 and Qwen3 the
 carried arrays are the target's (Gemma's norms as effective scales, the pre-MLP norm its

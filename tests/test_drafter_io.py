@@ -14,8 +14,7 @@ import pytest
 from paths import VECTORS
 from safetensors.numpy import save_file
 
-from peagle_jax.config import ConfigError
-from peagle_jax.drafter import load_drafter
+from peagle_jax.config.target_config import ConfigError
 from peagle_jax.formats.checkpoints import (
     DrafterIOError,
     check_tensors,
@@ -27,6 +26,7 @@ from peagle_jax.formats.checkpoints import (
     read_vllm_config,
     vllm_tensors,
 )
+from peagle_jax.handles.drafter import load_drafter
 
 V, H, HEADS, KV, HD, INTER, N = 48, 32, 4, 2, 8, 40, 2
 GOLDEN = VECTORS / "drafter-speculators"
@@ -358,7 +358,7 @@ def test_import_keeps_the_file_dtype(tmp_path):
 
 def test_check_tensors_lists_every_fault(tmp_path):
     """The importer and the lint share one check; it collects every fault, the importer raises the first."""
-    from peagle_jax.weights import Checkpoint
+    from peagle_jax.sources.weights import Checkpoint
 
     t = hand_tensors(vd=20)
     t["fc.weight"] = t["fc.weight"][:, :-1].copy()
@@ -381,7 +381,7 @@ def test_check_tensors_lists_every_fault(tmp_path):
 
 def small_head(vd: int):
     """(config, arrays) of a random head of this file's shapes; draft vocabulary: every other id."""
-    from peagle_jax.models.drafter import init_arrays
+    from peagle_jax.models.eagle import init_arrays
 
     config = read_vllm_config(vllm_config(vd=vd), "config.json")
     used = np.arange(V) if vd == V else np.arange(0, 2 * vd, 2)

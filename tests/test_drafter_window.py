@@ -21,12 +21,12 @@ import pytest
 from flax import nnx
 
 from kernels.layouts import cod_layout, pad_layout
-from peagle_jax.config import ConfigError
-from peagle_jax.drafter import Drafter
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.target_config import ConfigError
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
-from peagle_jax.models.drafter import abstract_drafter, cod_rows_forward, flat_state
+from peagle_jax.handles.drafter import Drafter
+from peagle_jax.models.eagle import abstract_drafter, cod_rows_forward, flat_state
 from peagle_jax.models.layers import apply_rope
 
 V, VD, H, K = 64, 40, 32, 4

@@ -1,4 +1,4 @@
-"""Dummy weights (`load_format="dummy"`, `peagle_jax.dummy`): every target family from its config.json
+"""Dummy weights (`load_format="dummy"`, `peagle_jax.sources.dummy`): every target family from its config.json
 alone, the shapes and dtypes of a real load, norms at identity, matrices at the sane scale, finite
 outputs, one compiled program per distinct shape; and what the CLIs build on them: `infer cost`,
 `infer generate --drafter new`, `python -m train --model.load_format dummy`."""
@@ -17,11 +17,11 @@ from flax import nnx
 from in_process import run_module
 
 import peagle_jax as pj
-from peagle_jax import dummy
 from peagle_jax.formats import inspect_folder
+from peagle_jax.handles.target import target_source
 from peagle_jax.models.layers import RMSNorm
-from peagle_jax.target import target_source
-from peagle_jax.weights import WeightsError, abstract_model
+from peagle_jax.sources import dummy
+from peagle_jax.sources.weights import WeightsError, abstract_model
 
 # a shape no test fixture or preset has: what a user's own config.json looks like
 UNSEEN = {

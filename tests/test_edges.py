@@ -20,7 +20,7 @@ from limits import HANG_S
 import peagle_jax as pj
 from infer.__main__ import main as infer_main
 from peagle_jax.engine import SpeculativeDecoder, generate_greedy
-from peagle_jax.folders import atomic_folder, atomic_write_text, write_hf_folder
+from peagle_jax.runtime.folders import atomic_folder, atomic_write_text, write_hf_folder
 
 NEW = 8
 ROOT = Path(__file__).resolve().parents[1]

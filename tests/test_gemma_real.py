@@ -25,7 +25,7 @@ def models():
     from transformers import AutoModelForCausalLM
 
     import peagle_jax as pj
-    from peagle_jax.assets import prepare
+    from peagle_jax.sources.assets import prepare
 
     folder = prepare("gemma3-270m")
     target = pj.load_target(folder, dtype="float32")

@@ -15,9 +15,9 @@ import pytest
 from flax import nnx
 from paths import VECTORS
 
-from peagle_jax.drafter import load_drafter
 from peagle_jax.engine import cache as kv
-from peagle_jax.models.drafter import cod_rows_forward, draft_to_target, peagle_mask
+from peagle_jax.handles.drafter import load_drafter
+from peagle_jax.models.eagle import cod_rows_forward, draft_to_target, peagle_mask
 from train.loss import LossRows, argmax_in_draft, draft_loss, teacher_logits
 
 TOL = 1e-5

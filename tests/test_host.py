@@ -1,4 +1,4 @@
-"""`peagle_jax.host.reuse_freed_memory`: a large block freed and allocated again reuses its pages
+"""`peagle_jax.runtime.host.reuse_freed_memory`: a large block freed and allocated again reuses its pages
 (no page faults), where glibc's default maps it afresh every time."""
 
 from __future__ import annotations

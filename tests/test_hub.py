@@ -1,4 +1,4 @@
-"""Hub ids for targets, heads and data sets (`peagle_jax.hub`), against a loopback stand-in of the
+"""Hub ids for targets, heads and data sets (`peagle_jax.sources.hub`), against a loopback stand-in of the
 Hub's HTTP API (`hub_server.HubStandIn` on 127.0.0.1): the real `huggingface_hub` download code
 runs, in subprocesses started with `HF_ENDPOINT` at the stand-in and `HF_HOME` in tmp_path
 (huggingface_hub reads both once, at import). No test reaches the network."""
@@ -17,7 +17,7 @@ import pytest
 from hub_server import HubStandIn
 from limits import HANG_S
 
-from peagle_jax import hub
+from peagle_jax.sources import hub
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET, HEAD, DATA, GATED = "someorg/tiny", "someorg/tiny-head", "someorg/chats", "someorg/gated"

@@ -27,7 +27,7 @@ from serve_support import OnFirstUse, ServerProcess, alone, ask, mixed_requests,
 import peagle_jax as pj
 from infer import SpeculativeDecoder
 from infer.cost import step_bytes
-from peagle_jax.sharding import tensor_problem
+from peagle_jax.runtime.sharding import tensor_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 K = 3

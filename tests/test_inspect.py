@@ -25,9 +25,9 @@ from head_folders import (
 )
 from safetensors.numpy import load_file, save_file
 
-from peagle_jax.drafter import Drafter, load_drafter
 from peagle_jax.formats import SERVE_K, inspect_folder, serve_command, serve_k
 from peagle_jax.formats.checkpoints import checkpoint_key, export_speculators, export_vllm, key_map
+from peagle_jax.handles.drafter import Drafter, load_drafter
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """SIGINT and SIGTERM end `python -m train` and `python -m infer bench` with exit status 130 and
 one line, whatever they are doing when the signal comes (loading, compiling, training, decoding;
-both signals take one path, `peagle_jax.cli.terminate_as_interrupt`, so each phase gets one):
+both signals take one path, `peagle_jax.runtime.command_line.terminate_as_interrupt`, so each phase gets one):
 never ignored (an interrupt that lands in a gc callback, where Python drops exceptions, is raised
 again), never a crash at shutdown; an interrupted training run resumes from its last checkpoint."""
 
@@ -200,7 +200,7 @@ def test_a_command_line_loads_no_library_before_its_handlers(module):
 
 SLOW_IMPORT = """
 import sys
-from peagle_jax.cli import run
+from peagle_jax.runtime.command_line import run
 
 def parse(argv):
     print("importing", file=sys.stderr, flush=True)

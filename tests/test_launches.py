@@ -1,4 +1,4 @@
-"""Kernel launches counted in a compiled program's optimized HLO (`peagle_jax.plan.launches`): fusion
+"""Kernel launches counted in a compiled program's optimized HLO (`peagle_jax.hardware.launches`): fusion
 bodies and reducers are not launches, loop bodies count once, free instructions never."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from peagle_jax.plan.launches import Launches, count_launches
+from peagle_jax.hardware.launches import Launches, count_launches
 
 HLO = """HloModule m, entry_computation_layout={(f32[4]{0})->f32[]}
 

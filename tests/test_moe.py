@@ -24,12 +24,12 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import peagle_jax as pj
-from peagle_jax.config import ConfigError, RopeConfig
+from peagle_jax.config.target_config import ConfigError, RopeConfig
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.models import moe as moe_mod
 from peagle_jax.models.registry import hf_config, target_config
-from peagle_jax.sharding import make_mesh, spec_for
-from peagle_jax.weights import WeightsError, dequantize_mxfp4
+from peagle_jax.runtime.sharding import make_mesh, spec_for
+from peagle_jax.sources.weights import WeightsError, dequantize_mxfp4
 
 torch = pytest.importorskip("torch")
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from peagle_jax.chat import encode_prompt
+from peagle_jax.conversations.chat import encode_prompt
 from peagle_jax.engine.prompts import DATA_DIR, HUMANEVAL_TEMPLATE, load_prompts
 
 
@@ -145,7 +145,7 @@ def test_encode_uses_chat_template_with_generation_prompt():
 
 @pytest.mark.real
 def test_gemma3_270m_tokenizes_prompt_sets():
-    from peagle_jax import assets
+    from peagle_jax.sources import assets
 
     folder = assets.default_dir("gemma3-270m")
     if not assets.is_complete(folder, "gemma3-270m"):

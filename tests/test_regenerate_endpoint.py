@@ -23,7 +23,7 @@ from in_process import run_module
 from limits import HANG_S
 from openai_loopback import Faults, LoopbackServer
 
-from peagle_jax.cli import UsageError
+from peagle_jax.runtime.command_line import UsageError
 from train.flags import parse_args
 from train.regenerate import Endpoint, EndpointError, regenerate
 from train.regenerate_endpoint import base_url

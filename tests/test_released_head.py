@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from peagle_jax.config import RopeConfig
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.target_config import RopeConfig
 from peagle_jax.formats import export_speculators, export_vllm, inspect_folder, read_drafter
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -1,4 +1,4 @@
-"""The request log's format (`peagle_jax.request_log`): records checked field by field, the
+"""The request log's format (`peagle_jax.conversations.request_log`): records checked field by field, the
 writer's shards read back in time order, malformed lines named by file and line, the shard being
 written never read, and what a writer killed with SIGKILL or stopped by a full disk leaves."""
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from limits import HANG_S
 
-from peagle_jax.request_log import (
+from peagle_jax.conversations.request_log import (
     INFO_FILE,
     Acceptance,
     Head,
@@ -190,7 +190,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from test_request_log import chat
-    from peagle_jax.request_log import RequestLog
+    from peagle_jax.conversations.request_log import RequestLog
 
     log = RequestLog(sys.argv[1], 2000, target="org/target", max_shard_seconds=None)
     i = 0
@@ -230,7 +230,7 @@ FULL_DISK = textwrap.dedent(
     """
     import resource, signal, sys
     from test_request_log import chat
-    from peagle_jax.request_log import RequestLog
+    from peagle_jax.conversations.request_log import RequestLog
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     log = RequestLog(sys.argv[1], 10**6, target="org/target")

@@ -1,4 +1,4 @@
-"""The roofline estimate's counts (`peagle_jax.plan.roofline`, `kernels.cost`): FLOPs of a jaxpr
+"""The roofline estimate's counts (`peagle_jax.hardware.roofline`, `kernels.cost`): FLOPs of a jaxpr
 against hand counts (matrix products, scans, conds, shard_map, a custom VJP's backward, the Pallas
 kernels' own estimates), the causal pair count against a brute-force mask, and which inputs are
 only gathered from. The compiled programs' estimates are checked in tests/compile/."""
@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import kernels
 from kernels.cost import attention_cost, causal_pairs
 from kernels.spec import AttentionSpec
-from peagle_jax.plan.roofline import estimate, gathered_inputs, jaxpr_flops
+from peagle_jax.hardware.roofline import estimate, gathered_inputs, jaxpr_flops
 
 M, K, N = 8, 16, 32
 MATMUL = 2 * M * K * N  # one [M, K] @ [K, N]

@@ -17,7 +17,7 @@ from serve_support import ServerProcess, request, sse_events
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
-from peagle_jax.request_log import read_requests, shard_files
+from peagle_jax.conversations.request_log import read_requests, shard_files
 from train.tiny import build_tiny_target
 
 K, SLOTS, MAX_LEN, NEW = 2, 8, 256, 120

@@ -20,7 +20,7 @@ QUESTIONS = ["What is the capital of France?", "Write a Python function that add
 def test_concurrent_chats_equal_generate_alone(tmp_path):
     import peagle_jax as pj
     from infer import SpeculativeDecoder
-    from peagle_jax.assets import prepare
+    from peagle_jax.sources.assets import prepare
 
     folder = prepare("gemma3-270m")
     target = pj.load_target(folder, dtype="float32")

@@ -14,7 +14,6 @@ import pytest
 from head_folders import bf16_round, folder_tensors, random_drafter, run, same_arrays
 from limits import HANG_S
 
-from peagle_jax.drafter import load_drafter
 from peagle_jax.formats import serve_lines
 from peagle_jax.formats.convert import main as convert_main
 from peagle_jax.formats.engines import (
@@ -23,6 +22,7 @@ from peagle_jax.formats.engines import (
     parse_vllm_version,
     vllm_refusal,
 )
+from peagle_jax.handles.drafter import load_drafter
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -12,7 +12,7 @@ import peagle_jax as pj
 from infer import SpeculativeDecoder
 from peagle_jax.engine import sampler
 from peagle_jax.engine import speculative as sp
-from peagle_jax.models import drafter as drafter_mod
+from peagle_jax.models import eagle as drafter_mod
 
 AUX = (0, 1, 2)
 NEW = 20

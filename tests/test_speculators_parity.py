@@ -1,7 +1,7 @@
 """Independent check of the speculators export: vllm-project's own PyTorch P-EAGLE model
 (PyPI `speculators`, eager attention, f32, CPU) loads a folder written by
 `python -m peagle_jax.convert export --format speculators` and gives the same draft logits as
-our drafter (`peagle_jax.models.drafter.cod_rows_forward`) on the same COD rows.
+our drafter (`peagle_jax.models.eagle.cod_rows_forward`) on the same COD rows.
 
 The rows are pinned (speculators samples them at random inside `forward`: its sampler is
 replaced by one returning our anchors/depths), its loss is stubbed out (the default one needs
@@ -38,11 +38,11 @@ from speculators.config import SpeculatorModelConfig  # noqa: E402
 from speculators.models.peagle import PEagleDraftModel  # noqa: E402
 from speculators.models.peagle import core as peagle_core  # noqa: E402
 
-from peagle_jax.config import RopeConfig  # noqa: E402
-from peagle_jax.drafter import Drafter  # noqa: E402
-from peagle_jax.drafter_config import DrafterConfig  # noqa: E402
+from peagle_jax.config.drafter_config import DrafterConfig  # noqa: E402
+from peagle_jax.config.target_config import RopeConfig  # noqa: E402
 from peagle_jax.formats.convert import main  # noqa: E402
-from peagle_jax.models.drafter import abstract_drafter, cod_rows_forward, flat_state  # noqa: E402
+from peagle_jax.handles.drafter import Drafter  # noqa: E402
+from peagle_jax.models.eagle import abstract_drafter, cod_rows_forward, flat_state  # noqa: E402
 
 V, H, HT, T = 64, 32, 32, 12
 TOL = 1e-4

@@ -69,7 +69,7 @@ def tiny(tmp_path_factory):
 
 def test_trains_and_saves_a_head_our_importer_loads(recipe, tiny, tmp_path):
     import peagle_jax as pj
-    from peagle_jax.models.drafter import draft_vocab_ids
+    from peagle_jax.models.eagle import draft_vocab_ids
 
     folder, target, examples, features, draft_ids = tiny
     out = tmp_path / "head"
@@ -137,7 +137,7 @@ def test_their_dflash_recipe_trains_and_saves_a_head_our_importer_loads(recipe, 
     embed_tokens and lm_head frozen; max_anchors at the sequence length takes every anchor, as
     their 512 does, without the padded blocks' cost."""
     import peagle_jax as pj
-    from peagle_jax.models.drafter import draft_vocab_ids
+    from peagle_jax.models.eagle import draft_vocab_ids
 
     folder, target, examples, features, draft_ids = tiny
     out = tmp_path / "dflash"

@@ -1,4 +1,4 @@
-"""peagle_jax.timing, the one timer of `infer bench`, `infer cost`, the report and bench/: programs
+"""peagle_jax.runtime.timing, the one timer of `infer bench`, `infer cost`, the report and bench/: programs
 called in turn, the first call apart, a call timed to the end of its device work, the median /
 min / compile figures of a Timing, calls issued back to back, and an import that loads JAX alone
 (the round timers are exercised by `infer cost` in tests/test_dummy.py)."""
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from peagle_jax.timing import Timing, back_to_back, side_by_side, timed, wall
+from peagle_jax.runtime.timing import Timing, back_to_back, side_by_side, timed, wall
 
 
 def test_side_by_side_calls_each_program_in_turn_after_its_first_call():
@@ -69,6 +69,6 @@ def test_back_to_back_issues_every_call_and_times_their_mean():
 
 
 def test_the_timers_import_jax_alone():
-    code = "import sys, peagle_jax.timing; print('flax' in sys.modules, 'peagle_jax.engine' in sys.modules)"
+    code = "import sys, peagle_jax.runtime.timing; print('flax' in sys.modules, 'peagle_jax.engine' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from peagle_jax.drafter import Drafter
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.models.drafter import cod_rows_forward
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.handles.drafter import Drafter
+from peagle_jax.models.eagle import cod_rows_forward
 from train.step import compute_parts, split_params
 
 V, H = 64, 32

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from peagle_jax.chat import ConversationError, encode_prompt, encode_training
+from peagle_jax.conversations.chat import ConversationError, encode_prompt, encode_training
 
 TEMPLATE = (
     "{% for m in messages %}<s>{{ m['role'] }} : {{ m['content'] }} </s>{% endfor %}"

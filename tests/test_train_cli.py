@@ -87,7 +87,7 @@ def test_usage_line_of_the_module_names_python_m_train():
 # the tiny target's files
 @pytest.mark.parametrize("umask", [0o022, 0o002], ids=["umask-022", "umask-002"])
 def test_tiny_target_files_have_the_umasks_modes(tmp_path, umask):
-    """Like every writer of peagle_jax.folders (safetensors alone leaves model.safetensors 0600)."""
+    """Like every writer of peagle_jax.runtime.folders (safetensors alone leaves model.safetensors 0600)."""
     from train.tiny import build_tiny_target
 
     old = os.umask(umask)

@@ -225,7 +225,7 @@ def test_no_anchor_block_crosses_a_document():
     ],
 )
 def test_bad_dflash_flags_are_refused_in_one_line(flag, value, message):
-    from peagle_jax.cli import UsageError
+    from peagle_jax.runtime.command_line import UsageError
 
     with pytest.raises(UsageError, match=message):
         parse_args(["--preset", "tiny", "--model.mode", "dflash", flag, value])

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from paths import VECTORS
 
-from peagle_jax.drafter import load_drafter
 from peagle_jax.formats.checkpoints import speculators_tensors
-from peagle_jax.models.drafter import param_path
+from peagle_jax.handles.drafter import load_drafter
+from peagle_jax.models.eagle import param_path
 from train.spec import LossSpec
 from train.step import loss_and_metrics, split_params
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from peagle_jax.cli import UsageError
+from peagle_jax.runtime.command_line import UsageError
 from train import config as C
 from train.__main__ import main
 from train.data import DataError, load_conversations, tokenize

@@ -15,9 +15,9 @@ import pytest
 from in_process import run_module
 
 from kernels.layouts import cod_sample, pad_layout
-from peagle_jax.cli import UsageError
-from peagle_jax.drafter import Drafter
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.handles.drafter import Drafter
+from peagle_jax.runtime.command_line import UsageError
 from train import flags as F
 from train.cod import chain_rows
 from train.segments import resolve_segments, row_segments, segment_rows, segmented_loss

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import peagle_jax as pj
-from peagle_jax.cli import UsageError
+from peagle_jax.runtime.command_line import UsageError
 from train.flags import parse_args
 from train.loop import run
 

@@ -15,9 +15,9 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import peagle_jax as pj
-from peagle_jax.config import ConfigError, TargetConfig
+from peagle_jax.config.target_config import ConfigError, TargetConfig
 from peagle_jax.models.registry import FAMILIES, key_map, target_config
-from peagle_jax.weights import WeightsError, abstract_model, load_params
+from peagle_jax.sources.weights import WeightsError, abstract_model, load_params
 
 torch = pytest.importorskip("torch")
 AUX = (0, 1, 2)

@@ -19,11 +19,11 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 from infer import SpeculativeDecoder
-from peagle_jax.config import ConfigError, TargetConfig
-from peagle_jax.drafter import load_drafter, new_drafter
+from peagle_jax.config.target_config import ConfigError, TargetConfig
 from peagle_jax.formats import export_speculators, export_vllm, inspect_folder, read_speculators_config
+from peagle_jax.handles.drafter import load_drafter, new_drafter
+from peagle_jax.handles.target import Target
 from peagle_jax.models.decoder import Decoder
-from peagle_jax.target import Target
 
 AUX, WINDOW, VD, INTER, NEW = [0, 1, 2], 4, 48, 80, 16
 VOCAB, HIDDEN, HEADS, HEAD_DIM = 96, 64, 4, 16

@@ -19,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 from test_speculators_parity import ANCHOR, DEPTH, DOC_IDS, HT, TOL, V, random_drafter, speculators_logits  # noqa: E402
 
 from peagle_jax.formats.convert import main  # noqa: E402
-from peagle_jax.models.drafter import cod_rows_forward  # noqa: E402
+from peagle_jax.models.eagle import cod_rows_forward  # noqa: E402
 
 
 def test_speculators_applies_our_window_the_same_way(tmp_path, monkeypatch):

@@ -2,7 +2,7 @@
 
 No arguments = the default run (Gemma-3-270M, ShareGPT). `--preset tiny` = a random tiny target
 and synthetic data, end to end in seconds. `--help` lists every field. Errors are one line and a
-non-zero exit (`peagle_jax.cli.run`: 2 a bad flag, 1 a failed run, 130 interrupted).
+non-zero exit (`peagle_jax.runtime.command_line.run`: 2 a bad flag, 1 a failed run, 130 interrupted).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ STARTING = "interrupted while starting: nothing was written"  # before the run m
 
 def main(argv=None, hooks: Sequence = ()) -> int:
     """The command line; `hooks` (`train.trainer.Hook`) are handed to the trainer's loop."""
-    from peagle_jax.cli import exit_interrupted, run, terminate_as_interrupt
+    from peagle_jax.runtime.command_line import exit_interrupted, run, terminate_as_interrupt
 
     terminate_as_interrupt(STARTING)  # first: an interrupt while the rest imports ends the process at once
     try:
-        from peagle_jax.host import reuse_freed_memory
+        from peagle_jax.runtime.host import reuse_freed_memory
 
-        reuse_freed_memory()  # before JAX starts its threads (peagle_jax.host)
+        reuse_freed_memory()  # before JAX starts its threads (peagle_jax.runtime.host)
         from train.flags import parse_args
 
         return run(argv, parse_args, lambda cfg: train(cfg, hooks), interrupted=RESUME_HINT, starting=STARTING)
@@ -32,7 +32,7 @@ def main(argv=None, hooks: Sequence = ()) -> int:
 
 
 def train(cfg, hooks: Sequence = ()) -> int:
-    from peagle_jax.compile_cache import enable_compile_cache
+    from peagle_jax.runtime.compile_cache import enable_compile_cache
     from train.loop import run
 
     enable_compile_cache()  # before the first compile

@@ -1,5 +1,5 @@
 """The values of a training configuration checked before any work starts: ranges, finiteness and
-choices, each refused with one line naming its flag (`peagle_jax.cli.UsageError`, exit 2).
+choices, each refused with one line naming its flag (`peagle_jax.runtime.command_line.UsageError`, exit 2).
 `train.flags.parse_args` runs `validate` on every command line. Then, against the loaded target:
 what its head cannot be (`check_target`: a `TrainError`, exit 1) and what one step cannot fit
 (`check_target_fits`)."""
@@ -13,8 +13,8 @@ import math
 import os
 from pathlib import Path
 
-from peagle_jax.cli import UsageError
-from peagle_jax.distributed import checks as dist_checks
+from peagle_jax.runtime.command_line import UsageError
+from peagle_jax.runtime.distributed import checks as dist_checks
 from train.config import DEFAULT_DRAFT_VOCAB, draft_vocab_size
 
 __all__ = [
@@ -436,7 +436,7 @@ def foreign_out(out: str) -> str | None:
 
 def _unwritable_folder(path: str) -> str | None:
     """Why the run cannot write into folder `path` (made when missing), None when it can."""
-    from peagle_jax.folders import unwritable
+    from peagle_jax.runtime.folders import unwritable
 
     p = Path(path)
     try:
@@ -460,15 +460,15 @@ def _kind(path: str, expand: bool = False) -> str:
 def _a_file_target(target: str) -> bool:
     if target == "tiny" or _kind(target) in ("dir", "missing"):
         return False
-    from peagle_jax.assets import ASSETS
+    from peagle_jax.sources.assets import ASSETS
 
     return target not in ASSETS
 
 
 def _named_target(target: str) -> bool:
     """What `train.loop.resolve_target` can find: tiny, an asset, a path, or a Hub id to download."""
-    from peagle_jax.assets import ASSETS
-    from peagle_jax.hub import is_repo_id
+    from peagle_jax.sources.assets import ASSETS
+    from peagle_jax.sources.hub import is_repo_id
 
     named = target == "tiny" or target in ASSETS or _kind(target) != "missing" or is_repo_id(target)
     return named or _refused_name(target)
@@ -483,7 +483,7 @@ def _preset(target: str) -> bool:
 
 def _init_head_check(name: str | None) -> tuple[bool, str]:
     """model.init_head names a folder (its head is read once the flags are) or a Hub id."""
-    from peagle_jax.hub import is_repo_id
+    from peagle_jax.sources.hub import is_repo_id
 
     kind = "missing" if name is None else _kind(name)
     if name is None or kind == "dir" or (kind == "missing" and is_repo_id(name)):

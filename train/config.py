@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from peagle_jax.distributed import DistConfig
+from peagle_jax.runtime.distributed import DistConfig
 
 __all__ = [
     "TrainConfig",
@@ -37,7 +37,7 @@ def draft_vocab_size(draft_vocab: int | None, vocab: int) -> int:
 class ModelConfig:
     target: str = "gemma3-270m"
     """Target: a Hugging Face folder, a Hub id (org/name: downloaded once into the Hugging Face cache; a local folder of
-    that name wins), an asset name of peagle_jax.assets (prepared on first use), or 'tiny' (a random tiny Llama built
+    that name wins), an asset name of peagle_jax.sources.assets (prepared on first use), or 'tiny' (a random tiny Llama built
     into OUT/tiny-target)."""
     load_format: str = "auto"
     """auto = read the target's weights; dummy = random weights of its shapes, nothing read (speed and memory runs, as
@@ -74,7 +74,7 @@ class ModelConfig:
     """The first layer's residual is the normed hidden input (speculators' default; vLLM reads the flag)."""
     init_layer: int | None = None
     """Start the head's first layer from this target layer (negative: from the end; unset: random): its attention, MLP
-    and norms (peagle_jax.drafter_init); P-EAGLE and EAGLE-3."""
+    and norms (peagle_jax.handles.drafter_init); P-EAGLE and EAGLE-3."""
     init_head: str | None = None
     """Fine-tune from this head instead of a fresh one: ours, a vLLM / speculators folder, or a Hub id (org/name). Its
     shapes, mode, draft vocabulary and layer settings become model.*'s (a flag given that says otherwise is refused)."""

@@ -4,9 +4,9 @@ Sources: ShareGPT JSON (a list of {"conversations": [{"from", "value"}]}, decode
 record so a truncated file still yields its complete records), chat JSONL ({"messages":
 [{"role", "content"}]} per line), Hugging Face `datasets` files or folders (json, jsonl,
 parquet, arrow; rows with "messages" or "conversations"), a server's request log (a folder with
-request-log.json, `peagle_jax.request_log`: `read_request_log`), Hub dataset ids (org/name, a
-split and subset of it; downloaded once by `peagle_jax.hub`), and synthetic conversations (the
-tiny preset). Tokenization is `peagle_jax.chat.encode_training` (chat template, or the plain
+request-log.json, `peagle_jax.conversations.request_log`: `read_request_log`), Hub dataset ids (org/name, a
+split and subset of it; downloaded once by `peagle_jax.sources.hub`), and synthetic conversations (the
+tiny preset). Tokenization is `peagle_jax.conversations.chat.encode_training` (chat template, or the plain
 `User:`/`Assistant:` fallback); a logged completion is its prompt's text as the server tokenized
 it and its answer's, or its token ids. Bad rows are skipped and counted, or raise naming the row.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from peagle_jax.chat import ConversationError, encode_training
-from peagle_jax.request_log import is_request_log
+from peagle_jax.conversations.chat import ConversationError, encode_training
+from peagle_jax.conversations.request_log import is_request_log
 
 __all__ = [
     "DataError",
@@ -244,15 +244,15 @@ def synthetic_conversations(n: int, seed: int = 0, words: int = 40) -> list[list
 
 def hub_source(source: str) -> bool:
     """An "org/name" that reads as a Hub dataset id, not as a data file's name."""
-    from peagle_jax.hub import DATA_SUFFIXES, is_repo_id
+    from peagle_jax.sources.hub import DATA_SUFFIXES, is_repo_id
 
     return is_repo_id(source) and not source.endswith(DATA_SUFFIXES)
 
 
 def _hub_records(source: str, limit: int, split, subset, revision) -> Iterator[tuple[str, object]]:
-    """The rows of a Hub dataset's split: the repo's data files downloaded once (`peagle_jax.hub`),
+    """The rows of a Hub dataset's split: the repo's data files downloaded once (`peagle_jax.sources.hub`),
     then read by `datasets` as a local folder (its card's subsets, its files' split names)."""
-    from peagle_jax.hub import download
+    from peagle_jax.sources.hub import download
 
     folder = download(source, "dataset", revision)
     with _quiet_datasets() as datasets:
@@ -312,11 +312,11 @@ class ServedData:
 
 
 def read_request_log(path: Path, limit: int = 0) -> ServedData:
-    """The finished requests of a server's log (`peagle_jax.request_log`) in time order, each
+    """The finished requests of a server's log (`peagle_jax.conversations.request_log`) in time order, each
     prompt and answer once (its first time), the newest `limit` of them (0: all). A chat is
     {"messages": its messages and the target's answer as the assistant's turn}; a completion is
     its `Request` (`encode_completion`)."""
-    from peagle_jax.request_log import RequestLogError, located_requests, read_info
+    from peagle_jax.conversations.request_log import RequestLogError, located_requests, read_info
 
     bad: list[RequestLogError] = []
     try:
@@ -346,7 +346,7 @@ def read_request_log(path: Path, limit: int = 0) -> ServedData:
 def other_targets(log_targets, model_target: str, target_path) -> list[str]:
     """The log's targets that are not the run's, compared by name: a folder's last part or a Hub
     id's, so "org/name", "/models/name" and "name" are one target."""
-    from peagle_jax.hub import repo_id_of
+    from peagle_jax.sources.hub import repo_id_of
 
     def names(x) -> set[str]:
         return {str(x), Path(str(x)).name} - {""}
@@ -370,7 +370,7 @@ def _served_record(req):
 
 def _completion(rec) -> bool:
     """A logged completion (a prompt and its answer, no conversation)."""
-    from peagle_jax.request_log import Request
+    from peagle_jax.conversations.request_log import Request
 
     return isinstance(rec, Request) and rec.kind == "completion"
 

@@ -1,4 +1,4 @@
-"""Several hosts through JAX's own runtime (`jax.distributed`): start-up (`peagle_jax.distributed`,
+"""Several hosts through JAX's own runtime (`jax.distributed`): start-up (`peagle_jax.runtime.distributed`,
 shared with the server) and the few host-side collectives the loop needs.
 
 Every process runs the same program over the global device mesh (multi-controller JAX): it
@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from peagle_jax import distributed
+from peagle_jax.runtime import distributed
 
 __all__ = [
     "setup",

@@ -4,7 +4,7 @@ decoding on held-out prompts (the speculative engine of `peagle_jax.engine.gener
 enough to compare many heads (see its docstring), per anchor and per greedy round.
 
 Each prompt is decoded alone (batch 1, the regime speculative decoding targets), in the
-trainer's own prompt format (`peagle_jax.chat.encode_prompt`); every prompt is padded to one
+trainer's own prompt format (`peagle_jax.conversations.chat.encode_prompt`); every prompt is padded to one
 length and one KV cache size, so each decoder compiles once, and that compile is done on the
 first prompt before timing. Acceptance length = 1 + accepted drafts per round (vLLM's
 definition), averaged over all rounds of all prompts. The outputs of speculative decoding
@@ -22,7 +22,7 @@ from flax import nnx
 
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.models.dflash import block_rows_states
-from peagle_jax.models.drafter import cod_rows_forward
+from peagle_jax.models.eagle import cod_rows_forward
 from train import cod
 from train.blocks import BlockBatch, block_arrays
 from train.loss import next_rows, take_rows, teacher_logits, top_index

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from peagle_jax.cli import UsageError, one_line
+from peagle_jax.runtime.command_line import UsageError, one_line
 from train.checks import validate
 from train.config import PRESETS, TrainConfig
 from train.init_head import adopt_head

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from peagle_jax.cli import UsageError, one_line
+from peagle_jax.runtime.command_line import UsageError, one_line
 from train.checks import TrainError
 from train.config import draft_vocab_size
 
@@ -54,7 +54,7 @@ def head_config(name: str):
     """The DrafterConfig of the head `name` (a folder or a Hub id, downloaded once); a UsageError
     naming the flag when it is no head."""
     from peagle_jax.formats import read_drafter_config
-    from peagle_jax.hub import resolve
+    from peagle_jax.sources.hub import resolve
 
     try:
         return read_drafter_config(resolve(name, "head"))
@@ -95,9 +95,9 @@ def load_head(mc, target):
     otherwise); it is recorded as this target's (verifier, model type, aux layers) and trained
     at model.k_train (DFlash: its block's drafts)."""
     import peagle_jax as pj
-    from peagle_jax.drafter import Drafter
     from peagle_jax.engine import check_drafter
-    from peagle_jax.hub import repo_id_of
+    from peagle_jax.handles.drafter import Drafter
+    from peagle_jax.sources.hub import repo_id_of
 
     head = pj.load_drafter(mc.init_head, target=target, dtype=mc.dtype)
     c = head.config

@@ -17,7 +17,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from peagle_jax.cli import UsageError, check_interrupted, interrupted, note, signals_deferred, started
+from peagle_jax.runtime.command_line import UsageError, check_interrupted, interrupted, note, signals_deferred, started
 from train import config as C
 from train import data as D
 from train import distributed as dist
@@ -44,7 +44,7 @@ def serve_fields(vllm_dir: Path, target_path, k_train: int, mode: str, family: s
     P-EAGLE head, and this project's engine) and `serve_note`; a target from the Hub is named by
     its id, as vLLM takes it."""
     from peagle_jax.formats import serve_command, serve_lines, serve_note
-    from peagle_jax.hub import repo_id_of
+    from peagle_jax.sources.hub import repo_id_of
 
     args = (vllm_dir, mode, k_train, family, repo_id_of(target_path) or str(target_path))
     return {"serve": serve_command(*args), "serve_lines": serve_lines(*args), "serve_note": serve_note(mode)}
@@ -66,7 +66,7 @@ def resolve_target(cfg: C.TrainConfig, out: Path) -> Path:
         return build_tiny_target(out / "tiny-target", cfg.model.seed)
     if Path(name).is_dir():
         return Path(name)
-    from peagle_jax import assets, hub
+    from peagle_jax.sources import assets, hub
 
     if name not in assets.ASSETS and hub.is_repo_id(name):
         return hub.download(name, "config" if dummy else "target")  # its errors are one line naming the id
@@ -285,7 +285,7 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
     (`leave_out`)."""
     t0 = time.perf_counter()
     dist.setup(cfg.dist)  # before any JAX op: the devices of every process form one mesh
-    from peagle_jax.sharding import device_mesh
+    from peagle_jax.runtime.sharding import device_mesh
 
     cfg = adopt_head(cfg)  # model.init_head's settings, saved in OUT/config.json (the command line has them already)
 
@@ -312,7 +312,7 @@ def run(cfg: C.TrainConfig, hooks: Sequence[Hook] = ()) -> dict | None:
 def import_libraries(cfg: C.TrainConfig) -> None:
     """The libraries the run loads its target with, imported while it is still starting: an import
     takes seconds (torch, transformers) and an interrupt can only unwind once it has returned; in
-    start-up the interrupt ends the process at once (`peagle_jax.cli.starting_up`)."""
+    start-up the interrupt ends the process at once (`peagle_jax.runtime.command_line.starting_up`)."""
     from transformers import AutoTokenizer  # noqa: F401 - every target's tokenizer
 
     if cfg.model.target == "tiny":

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from peagle_jax.models.drafter import draft_vocab_ids
+from peagle_jax.models.eagle import draft_vocab_ids
 
 __all__ = [
     "EPS",

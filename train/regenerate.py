@@ -2,7 +2,7 @@
 continuation (the head then learns the distribution it will draft for).
 
 The prompt is the conversation up to its first assistant turn, in the trainer's format
-(`peagle_jax.chat.encode_prompt`). The answer comes from the engine in process
+(`peagle_jax.conversations.chat.encode_prompt`). The answer comes from the engine in process
 (`peagle_jax.engine.generate_greedy`, the engine's mode "none"): prompts sorted by length and cut
 into batches of `batch`, so a batch holds prompts of similar length (little padding, few compiled
 shapes), its rows split over the mesh's data x fsdp devices as the train step splits its batch.
@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from peagle_jax.chat import encode_prompt
+from peagle_jax.conversations.chat import encode_prompt
 from peagle_jax.engine import generate_greedy
 from train.regenerate_endpoint import Answer, Endpoint, EndpointError, Job, generate_remote
 
@@ -86,7 +86,7 @@ def place_on_mesh(target, mesh) -> None:
     (the engine then splits a batch's rows over data x fsdp); nothing for one device."""
     if mesh is None or mesh.size == 1 or target.mesh is not None:
         return
-    from peagle_jax.sharding import shard_state
+    from peagle_jax.runtime.sharding import shard_state
 
     target.state, target.mesh = shard_state(target.state, mesh), mesh
 

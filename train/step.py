@@ -32,12 +32,12 @@ import optax
 from flax import nnx
 
 import kernels
-from peagle_jax.dtypes import numpy_dtype
+from peagle_jax.config.dtypes import numpy_dtype
+from peagle_jax.handles.target import target_apply
 from peagle_jax.models.dflash import DFlashModel
-from peagle_jax.models.drafter import DrafterModel, cod_rows_states, flat_state, param_key
+from peagle_jax.models.eagle import DrafterModel, cod_rows_states, flat_state, param_key
 from peagle_jax.models.rows import rows_sharded
-from peagle_jax.sharding import kernels_partitioned, role_sharding, shard_state, tree_shardings
-from peagle_jax.target import target_apply
+from peagle_jax.runtime.sharding import kernels_partitioned, role_sharding, shard_state, tree_shardings
 from train.blocks import block_loss_and_metrics
 from train.loss import LossRows, fused_draft_loss, next_rows, take_rows, teacher_logits, top_index
 from train.segments import SegmentedPass, attention_for, resolve_segments, segment_rows
@@ -202,7 +202,7 @@ class TrainStep:
     ):
         """The step of `spec` (its loss: `train.spec.LossSpec`; mode "dflash" takes `train.blocks`
         batches). aux_layer_ids: the target layers the head reads (None: the target's; a DFlash
-        head's own). mesh: a (data, fsdp, tensor) Mesh (peagle_jax.sharding): the steps are jitted
+        head's own). mesh: a (data, fsdp, tensor) Mesh (peagle_jax.runtime.sharding): the steps are jitted
         with explicit shardings (parameters and optimizer state by its rule table, batch rows over
         data x fsdp, logged scalars replicated); `state` = (params, opt_state, frozen) templates
         gives their structures. Place the state with `place_state`; batches are this process's

@@ -32,7 +32,7 @@ def tokenizer():
 
 def build_tiny_target(folder: Path, seed: int = 0) -> Path:
     """A Hugging Face folder (config, safetensors, tokenizer) at `folder` (rebuilt only when
-    missing), written like every other folder of the project (`peagle_jax.folders.atomic_folder`:
+    missing), written like every other folder of the project (`peagle_jax.runtime.folders.atomic_folder`:
     a temporary sibling renamed into place, files with the umask's ordinary modes)."""
     folder = Path(folder)
     if (folder / "config.json").exists() and (folder / "tokenizer.json").exists():
@@ -40,7 +40,7 @@ def build_tiny_target(folder: Path, seed: int = 0) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from peagle_jax.folders import atomic_folder
+    from peagle_jax.runtime.folders import atomic_folder
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from peagle_jax.models.drafter import draft_vocab_ids, param_path
+from peagle_jax.models.eagle import draft_vocab_ids, param_path
 from train import cod
 from train import config as C
 from train import data as D
@@ -280,7 +280,7 @@ class Trainer:
 
     def head(self):
         """The trained head as a host `Drafter` (gathered from every process: all must call it)."""
-        from peagle_jax.drafter import Drafter
+        from peagle_jax.handles.drafter import Drafter
 
         arrays = {**dist.to_host(self.params), **dist.to_host(self.frozen)}
         arrays = {param_path(k): v for k, v in arrays.items()}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from infer.flags import add_dist_flags, add_model_flags, dist_config
-from peagle_jax.cli import number_type, positive_int
+from peagle_jax.runtime.command_line import number_type, positive_int
 
 PREFILL_CHUNK = 512  # prompt tokens a prefill call runs at most (--prefill-chunk)
 port_number = number_type(int, 0, 65535, "a port number in [0, 65535]")
@@ -120,7 +120,7 @@ SHUTDOWN_S = 60  # how long a stopped server's process waits for the others at t
 
 def dist_problem(args) -> str | None:
     """What is wrong with the --dist.* flags (one line), or None."""
-    from peagle_jax.distributed import checks
+    from peagle_jax.runtime.distributed import checks
 
     return next((rule for holds, rule in checks(dist_config(args)) if not holds), None)
 
@@ -128,7 +128,7 @@ def dist_problem(args) -> str | None:
 def join_processes(args) -> None:
     """With --dist.*: this process joins the others (`jax.distributed`), before any JAX op: the mesh
     flags then span every process's devices."""
-    from peagle_jax.distributed import setup
+    from peagle_jax.runtime.distributed import setup
 
     setup(dist_config(args), shutdown_timeout=SHUTDOWN_S)
 
@@ -164,7 +164,7 @@ def _log_args(p: argparse.ArgumentParser) -> None:
 
 
 def shard_size(text: str) -> int:
-    from peagle_jax.folders import parse_size
+    from peagle_jax.runtime.folders import parse_size
 
     try:
         size = parse_size(text)

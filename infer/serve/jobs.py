@@ -16,7 +16,7 @@ import random
 import time
 
 from infer.serve.protocol import ApiError, ChatRequest, CompletionRequest, SamplingBody, parse
-from peagle_jax import chat
+from peagle_jax.conversations import chat
 from peagle_jax.engine.sampling import SamplingParams
 
 log = logging.getLogger("infer.serve")

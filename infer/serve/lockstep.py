@@ -37,8 +37,8 @@ from jax.experimental import multihost_utils
 
 from infer.load import status
 from infer.serve.scheduler import cause
-from peagle_jax.cli import started
 from peagle_jax.engine.sampling import SamplingParams
+from peagle_jax.runtime.command_line import started
 
 TICK_S = 1.0  # the longest process 0 stays silent (an idle server's empty orders)
 HEAD_BYTES = 4096  # what each process sends in every exchange: a follower's stop, process 0's order when it fits

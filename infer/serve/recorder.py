@@ -1,5 +1,5 @@
 """`serve --log-requests DIR`: every finished choice (or a sampled fraction) appended to a request
-log (`peagle_jax.request_log`: size-bounded JSONL shards, finished ones renamed into place, so a
+log (`peagle_jax.conversations.request_log`: size-bounded JSONL shards, finished ones renamed into place, so a
 crash loses at most the shard being written), what `python -m train --data.source DIR` learns from.
 
 A record holds the prompt as sent (the chat messages, or the prompt text), its token ids, the
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from peagle_jax.request_log import Acceptance, Head, Request, RequestLog
+from peagle_jax.conversations.request_log import Acceptance, Head, Request, RequestLog
 
 log = logging.getLogger("infer.serve")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")

@@ -40,8 +40,8 @@ from infer.serve.jobs import Served
 from infer.serve.metrics import ServerMetrics
 from infer.serve.recorder import Recorder
 from infer.serve.scheduler import Scheduler
-from peagle_jax.cli import UsageError
 from peagle_jax.engine import Engine, Slots
+from peagle_jax.runtime.command_line import UsageError
 
 GRACE_S = 5  # how long open connections may take to close once a stop was asked for
 EXIT_DEADLINE_S = GRACE_S + 10  # a failed device: the process is gone by then, whatever hangs

@@ -12,7 +12,7 @@ from flax import nnx
 
 from peagle_jax.engine import speculative as sp
 from peagle_jax.engine.generation import SpeculativeDecoder
-from peagle_jax.timing import Timing, timed
+from peagle_jax.runtime.timing import Timing, timed
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

@@ -23,12 +23,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from peagle_jax.config import NUM_AUX, TargetConfig, validate_aux_layer_ids
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.target_config import NUM_AUX, TargetConfig, validate_aux_layer_ids
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine import speculative as sp
 from peagle_jax.engine.sampling import STOP_WIDTH, SamplingParams, row_key, sampling_rows
-from peagle_jax.sharding import shard_state
+from peagle_jax.runtime.sharding import shard_state
 
 DEEP_K = ("error", "warn")
 

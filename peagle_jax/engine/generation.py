@@ -2,7 +2,7 @@
 `generate_greedy` (plain greedy decoding = the engine's mode "none").
 
 Prompts (token ids, strings, or chat conversations) are tokenized with the target's
-tokenizer (`peagle_jax.chat`), right-padded into a batch bucket, and decoded by the engine of
+tokenizer (`peagle_jax.conversations.chat`), right-padded into a batch bucket, and decoded by the engine of
 `peagle_jax.engine.speculative` in one device loop. Shapes are bucketed (batch to a power of two,
 prompt and cache lengths to multiples of 64), so repeated calls reuse compiled code.
 `infer` re-exports `SpeculativeDecoder` as the public inference API.
@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from peagle_jax import chat
+from peagle_jax.conversations import chat
 from peagle_jax.engine import cache as kv
 from peagle_jax.engine.engine import Engine, check_depth, check_int
 from peagle_jax.engine.sampling import SEED_MAX, SamplingParams
@@ -69,7 +69,7 @@ def check_vocab(ids: Sequence[int], vocab: int, where: str) -> None:
 
 def prompt_tokens(tokenizer, prompt: Prompt, where: str = "prompt") -> list[int]:
     """Token ids of one prompt: ids (a list, or a 1-D NumPy / JAX array) pass through; strings
-    and conversations go through `peagle_jax.chat.encode_prompt` (the chat template when
+    and conversations go through `peagle_jax.conversations.chat.encode_prompt` (the chat template when
     the tokenizer has one)."""
     if isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and len(prompt) and isinstance(prompt[0], dict)):
         if tokenizer is None:

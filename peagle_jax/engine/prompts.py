@@ -26,7 +26,7 @@ a path to a JSONL file
     (used as given), or ``{"turns": [str, ...]}`` (MT-Bench style: the first turn becomes one
     user turn, as for ``"mtbench"``). Other keys are ignored. A malformed row raises
     ``ValueError`` naming the file and the 1-based line number.
-Tokenization is `peagle_jax.chat`.
+Tokenization is `peagle_jax.conversations.chat`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pathlib
 from collections.abc import Iterator
 from typing import Any
 
-from peagle_jax.chat import Conversation, encode_prompt, user_turn
+from peagle_jax.conversations.chat import Conversation, encode_prompt, user_turn
 
 __all__ = ["DATA_DIR", "PROMPT_SETS", "load_prompts", "prompt_ids"]
 
@@ -139,7 +139,7 @@ def load_prompts(source: str | os.PathLike, limit: int | None = None) -> list[Co
 
 
 def prompt_ids(tokenizer, conversations, max_tokens: int | None = None, limit: int | None = None) -> list[list[int]]:
-    """Token ids of `conversations` in the trainer's prompt format (`peagle_jax.chat.encode_prompt`);
+    """Token ids of `conversations` in the trainer's prompt format (`peagle_jax.conversations.chat.encode_prompt`);
     prompts over `max_tokens` are left out; at most `limit` of them."""
     out = []
     for conversation in conversations:

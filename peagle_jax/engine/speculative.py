@@ -43,8 +43,8 @@ from peagle_jax.engine.sampler import (
     record_logprobs,
 )
 from peagle_jax.engine.sampling import Sampling
-from peagle_jax.models.drafter import draft_to_target
-from peagle_jax.sharding import ROLES, kernels_partitioned
+from peagle_jax.models.eagle import draft_to_target
+from peagle_jax.runtime.sharding import ROLES, kernels_partitioned
 
 MODES = ("parallel", "chain", "dflash", "none")
 

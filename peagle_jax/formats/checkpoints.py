@@ -46,15 +46,15 @@ from pathlib import Path
 
 import numpy as np
 
-from peagle_jax.config import NUM_AUX, ConfigError, default_aux_layer_ids, read_json
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.dtypes import EXPORT, numpy_dtype
-from peagle_jax.folders import CONFIG_FILE, SINGLE_FILE, write_hf_folder
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.dtypes import EXPORT, numpy_dtype
+from peagle_jax.config.target_config import NUM_AUX, ConfigError, default_aux_layer_ids, read_json
 from peagle_jax.formats.head_config import head_facts, read_speculators_config, read_vllm_config
 from peagle_jax.formats.head_config_write import speculators_config, vllm_config
 from peagle_jax.formats.own import OWN_CONFIG_FILE, read_own, read_own_config
 from peagle_jax.formats.serving import resolve_verifier, target_facts
-from peagle_jax.models.drafter import abstract_drafter, check_d2t, flat_state, t2d_from_d2t
+from peagle_jax.models.eagle import abstract_drafter, check_d2t, flat_state, t2d_from_d2t
+from peagle_jax.runtime.folders import CONFIG_FILE, SINGLE_FILE, write_hf_folder
 
 __all__ = [
     "DrafterIOError",
@@ -163,7 +163,7 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def _checkpoint(folder: Path):
-    from peagle_jax.weights import Checkpoint, WeightsError
+    from peagle_jax.sources.weights import Checkpoint, WeightsError
 
     try:
         return Checkpoint(folder)
@@ -245,7 +245,7 @@ class TensorCheck:
 
 
 def check_tensors(ckpt, config: DrafterConfig) -> TensorCheck:
-    """Checks `ckpt` (a `peagle_jax.weights.Checkpoint`) against `config`'s tensor table; the one
+    """Checks `ckpt` (a `peagle_jax.sources.weights.Checkpoint`) against `config`'s tensor table; the one
     check behind both the importer (which raises on the first error) and the lint."""
     keys = set(ckpt.keys())
     layer0 = MIDLAYER if any(k.startswith(MIDLAYER) for k in keys) else LAYER0
@@ -324,7 +324,7 @@ def _read_tensors(folder: Path, config: DrafterConfig, source: TargetSource) -> 
 def read_id_map(ckpt, config: DrafterConfig) -> np.ndarray:
     """A checkpoint's d2t [Vd] as int32, checked (an integer type, its shape, one-to-one into
     [0, V)) together with its t2d when it has one. DrafterIOError naming the file and tensor.
-    `ckpt`: a `peagle_jax.weights.Checkpoint`."""
+    `ckpt`: a `peagle_jax.sources.weights.Checkpoint`."""
     src = ckpt.where["d2t"]
     arr = _read(ckpt, "d2t")
     if arr.dtype.kind not in "iu":

@@ -52,13 +52,20 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from peagle_jax.cli import DefaultsFormatter, OneLineParser, UsageError, run, terminate_as_interrupt
+from peagle_jax.runtime.command_line import DefaultsFormatter, OneLineParser, UsageError, run, terminate_as_interrupt
 
 if __name__ == "__main__":  # `python -m peagle_jax.formats.convert`: the imports below load JAX (seconds)
     terminate_as_interrupt("interrupted")
 
-from peagle_jax.config import ConfigError
-from peagle_jax.folders import (
+from peagle_jax.config.target_config import ConfigError
+from peagle_jax.formats.checkpoints import read_drafter, speculators_tensors, vllm_tensors
+from peagle_jax.formats.engines import NEWEST_VLLM, installed_vllm, parse_vllm_version
+from peagle_jax.formats.head_config import refuse_head, run_folder_of
+from peagle_jax.formats.head_config_write import speculators_config, vllm_config
+from peagle_jax.formats.inspect import format_report, inspect_folder
+from peagle_jax.formats.own import OWN_CONFIG_FILE, write_own
+from peagle_jax.formats.serving import SERVE_K, resolve_verifier, target_facts
+from peagle_jax.runtime.folders import (
     CONFIG_FILE,
     DEFAULT_MAX_SHARD,
     INDEX_FILE,
@@ -67,14 +74,7 @@ from peagle_jax.folders import (
     unwritable,
     write_hf_folder,
 )
-from peagle_jax.formats.checkpoints import read_drafter, speculators_tensors, vllm_tensors
-from peagle_jax.formats.engines import NEWEST_VLLM, installed_vllm, parse_vllm_version
-from peagle_jax.formats.head_config import refuse_head, run_folder_of
-from peagle_jax.formats.head_config_write import speculators_config, vllm_config
-from peagle_jax.formats.inspect import format_report, inspect_folder
-from peagle_jax.formats.own import OWN_CONFIG_FILE, write_own
-from peagle_jax.formats.serving import SERVE_K, resolve_verifier, target_facts
-from peagle_jax.hub import is_repo_id, repo_id_of, resolve
+from peagle_jax.sources.hub import is_repo_id, repo_id_of, resolve
 
 __all__ = [
     "main",
@@ -170,7 +170,7 @@ def export_drafter(
     """Our checkpoint (or any folder `read_drafter` reads) -> a vLLM / speculators folder.
     `verifier`: the target's hub id to record (speculators `verifier.name_or_path`); default: the
     id of a `target` that came from the Hub, else the one the head recorded. `ckpt` and `target`
-    may be Hub ids (`peagle_jax.hub`). `as_kind` "eagle3": a P-EAGLE head written as plain
+    may be Hub ids (`peagle_jax.sources.hub`). `as_kind` "eagle3": a P-EAGLE head written as plain
     EAGLE-3 (`as_eagle3`).
     Returns (folder, its inspect report, whose `serve` is the vLLM command line and
     `serve_lines` what to run)."""
@@ -259,7 +259,7 @@ def _target_sources(folder: Path) -> dict:
     def params():
         if not loaded:
             from peagle_jax.models.registry import target_config
-            from peagle_jax.weights import load_params
+            from peagle_jax.sources.weights import load_params
 
             loaded["params"] = load_params(folder, target_config(folder), "float32")
         return loaded["params"]
@@ -294,7 +294,7 @@ def import_drafter_folder(
     would report a problem (NaN / Inf weights, aux ids outside the target's layers, ...), unless
     `force`. With a target (`target`, else the recorded verifier when it is here), a
     max_position_embeddings below the target's is raised to it, as export does (a note).
-    `src` and `target` may be Hub ids (`peagle_jax.hub`).
+    `src` and `target` may be Hub ids (`peagle_jax.sources.hub`).
     Returns (the head's DrafterConfig, the inspect report of OUT, its `notes` first)."""
     p, target = resolve(src, "head"), None if target is None else resolve(target, "target")
     if not p.exists():
@@ -340,9 +340,9 @@ def convert_target(
     every tensor consumed, every shape checked; aux layer ids play no part here) and write it back
     (config.json + safetensors, sharded above `max_shard_size`, tokenizer files copied).
     dtype "auto" keeps bfloat16 sources in bfloat16 and reads everything else as float32; `src` may
-    be a Hub id (`peagle_jax.hub`)."""
+    be a Hub id (`peagle_jax.sources.hub`)."""
     from peagle_jax.models.registry import hf_config, target_config
-    from peagle_jax.weights import TOKENIZER_FILES, load_params, target_tensors, tensors_dtype_name
+    from peagle_jax.sources.weights import TOKENIZER_FILES, load_params, target_tensors, tensors_dtype_name
 
     p = resolve(src, "target")
     if not p.exists():

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from peagle_jax.config_fields import ConfigError
+from peagle_jax.config.fields import ConfigError
 
 __all__ = [
     "FULL",

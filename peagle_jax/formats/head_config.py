@@ -30,8 +30,8 @@ import dataclasses
 import os
 from pathlib import Path
 
-from peagle_jax.config import NUM_AUX, RopeConfig, validate_aux_layer_ids
-from peagle_jax.config_fields import (
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.fields import (
     HEAD_FIELDS,
     HEAD_LAYER_FIELDS,
     LAYER_TYPES,
@@ -40,8 +40,7 @@ from peagle_jax.config_fields import (
     check_fields,
     read_json,
 )
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.folders import CONFIG_FILE
+from peagle_jax.config.target_config import NUM_AUX, RopeConfig, validate_aux_layer_ids
 from peagle_jax.formats.dflash_causality import SLIDING, head_causality
 from peagle_jax.formats.head_config_dflash import (
     DFLASH_ARCH,
@@ -53,6 +52,7 @@ from peagle_jax.formats.head_config_dflash import (
 )
 from peagle_jax.formats.own import OWN_CONFIG_FILE
 from peagle_jax.models.registry import ARCHITECTURES
+from peagle_jax.runtime.folders import CONFIG_FILE
 
 __all__ = [
     "HeadFacts",

@@ -19,8 +19,8 @@
 
 from __future__ import annotations
 
-from peagle_jax.config import validate_aux_layer_ids
-from peagle_jax.config_fields import TOKEN, ConfigError, Field, check_fields
+from peagle_jax.config.fields import TOKEN, ConfigError, Field, check_fields
+from peagle_jax.config.target_config import validate_aux_layer_ids
 from peagle_jax.formats.dflash_causality import CAUSAL_KEY, SWNC_KEY
 
 __all__ = [

@@ -5,10 +5,10 @@ for vLLM, `speculators_model_type: "dflash"` for speculators (`peagle_jax.format
 
 from __future__ import annotations
 
-from peagle_jax.config import RopeConfig
-from peagle_jax.config_fields import ConfigError
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.dtypes import EXPORT, dtype_name
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.dtypes import EXPORT, dtype_name
+from peagle_jax.config.fields import ConfigError
+from peagle_jax.config.target_config import RopeConfig
 from peagle_jax.formats.dflash_causality import CAUSAL_KEY, causality_keys
 from peagle_jax.formats.head_config import (
     AUX_KEY,

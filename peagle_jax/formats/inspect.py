@@ -22,10 +22,8 @@ import json
 import os
 from pathlib import Path
 
-from peagle_jax.cli import one_line
-from peagle_jax.config import NUM_AUX, ConfigError, read_json
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.folders import CONFIG_FILE
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.target_config import NUM_AUX, ConfigError, read_json
 from peagle_jax.formats.checkpoints import FLOAT_DTYPES, check_tensors
 from peagle_jax.formats.engines import FIRST_PARALLEL, HEAD_KINDS, NEWEST_VLLM, serving_vllm, version_text, vllm_refusal
 from peagle_jax.formats.finite import non_finite, non_finite_tensors
@@ -50,7 +48,9 @@ from peagle_jax.formats.serving import (
     target_facts,
     target_findings,
 )
-from peagle_jax.hub import is_repo_id, repo_id_of
+from peagle_jax.runtime.command_line import one_line
+from peagle_jax.runtime.folders import CONFIG_FILE
+from peagle_jax.sources.hub import is_repo_id, repo_id_of
 
 __all__ = ["inspect_folder", "format_report", "InspectError"]
 
@@ -258,7 +258,7 @@ def _windows(f: HeadFacts, fnd: _Findings) -> dict:
 
 
 def _open_checkpoint(folder: Path, shown: Path, fnd: _Findings):
-    from peagle_jax.weights import Checkpoint, WeightsError
+    from peagle_jax.sources.weights import Checkpoint, WeightsError
 
     try:
         return Checkpoint(folder)
@@ -424,7 +424,7 @@ def _check_tensors(ckpt, cfg: DrafterConfig | None, mode: str, fnd: _Findings, r
 def _check_finite(ckpt, fnd: _Findings, shown_as) -> None:
     """Every float tensor of `ckpt` read once: NaN / Inf weights are a problem (vLLM loads them and
     drafts from NaN logits)."""
-    from peagle_jax.weights import WeightsError
+    from peagle_jax.sources.weights import WeightsError
 
     for name in sorted(k for k in ckpt.keys() if ckpt.dtype(k) in FLOAT_DTYPES):
         try:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from peagle_jax.config_fields import ConfigError
+from peagle_jax.config.fields import ConfigError
 from peagle_jax.formats.dflash_causality import CAUSAL_KEY, FULL, SWNC_KEY, causality_keys, head_causality
 from peagle_jax.formats.head_config import HeadFacts, layer_windows
 from peagle_jax.formats.head_config_dflash import (

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 
-from peagle_jax.config import ConfigError, read_json
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.dtypes import dtype_name
-from peagle_jax.folders import atomic_folder, check_destination
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.dtypes import dtype_name
+from peagle_jax.config.target_config import ConfigError, read_json
 from peagle_jax.formats.finite import non_finite_tensors
-from peagle_jax.models.drafter import abstract_drafter, state_from_arrays
+from peagle_jax.models.eagle import abstract_drafter, state_from_arrays
+from peagle_jax.runtime.folders import atomic_folder, check_destination
 
 __all__ = [
     "OWN_CONFIG_FILE",
@@ -32,7 +32,7 @@ __all__ = [
 
 OWN_CONFIG_FILE = "drafter.json"
 OWN_STATE_DIR = "state"
-OWN_FORMAT = "peagle_jax.drafter"
+OWN_FORMAT = "peagle_jax.handles.drafter"
 OWN_VERSION = 1
 
 

@@ -19,11 +19,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from peagle_jax.config import ConfigError, read_json
+from peagle_jax.config.target_config import ConfigError, read_json
 from peagle_jax.formats.engines import HEAD_KINDS, NEWEST_VLLM, serving_vllm, version_text
 from peagle_jax.formats.head_config import AUX_KEY, refuse_head, rope_params
-from peagle_jax.hub import cached
 from peagle_jax.models.registry import ARCHITECTURES, MODEL_TYPES, VLLM_EAGLE3_NATIVE
+from peagle_jax.sources.hub import cached
 
 __all__ = [
     "SERVE_K",

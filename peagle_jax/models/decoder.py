@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 
 import kernels
-from peagle_jax.config import TargetConfig
+from peagle_jax.config.target_config import TargetConfig
 from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm
 from peagle_jax.models.moe import MoE
 from peagle_jax.models.rows import keep_rows

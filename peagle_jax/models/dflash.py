@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import kernels
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
 from peagle_jax.models.head import DrafterOutput, DraftHead, VocabMap, layer_attention
 from peagle_jax.models.layers import MLP, Attention, Linear, RMSNorm, apply_rope, write_kv
 

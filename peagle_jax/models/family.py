@@ -9,7 +9,7 @@ the key runs over the experts: per-expert ``[out, in]`` matrices, transposed and
 `condition` names the `TargetConfig` flag or property the row depends on (``"untied"`` = no
 tied embeddings; ``"moe"`` / ``"dense_mlp"`` = that layer's MLP kind; None = always). MXFP4
 expert tensors (``<key>_blocks`` + ``<key>_scales``) are read in place of ``<key>`` by
-`peagle_jax.weights`.
+`peagle_jax.sources.weights`.
 Adding a family = one module under `peagle_jax/models/` defining a `FAMILY`, plus its name
 in `registry.FAMILY_MODULES`.
 """
@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from peagle_jax.config import ConfigError, RopeConfig, TargetConfig
+from peagle_jax.config.target_config import ConfigError, RopeConfig, TargetConfig
 
 KeyRow = tuple[str, str, str, "str | None"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from peagle_jax.config import RopeConfig, TargetConfig
+from peagle_jax.config.target_config import RopeConfig, TargetConfig
 from peagle_jax.models import family as fam
 
 

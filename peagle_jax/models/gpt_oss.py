@@ -6,12 +6,12 @@ and the clamped SwiGLU `(up + 1) * gate * sigmoid(1.702 * gate)` (gate <= 7, |up
 
 Expert stacks are stored [E, in, out] (`mlp.experts.gate_up_proj` [E, H, 2I], `down_proj`
 [E, I, H]); the released checkpoints hold them as MXFP4 (`*_blocks` + `*_scales`), which
-`peagle_jax.weights` dequantises at load.
+`peagle_jax.sources.weights` dequantises at load.
 """
 
 from __future__ import annotations
 
-from peagle_jax.config import ConfigError, RopeConfig, TargetConfig
+from peagle_jax.config.target_config import ConfigError, RopeConfig, TargetConfig
 from peagle_jax.models import family as fam
 from peagle_jax.models.qwen3_moe import DENSE_MLP, QK_NORMS
 

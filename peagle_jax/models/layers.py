@@ -15,8 +15,8 @@ from flax import nnx
 
 import kernels
 from kernels import AttentionSpec
-from peagle_jax.config import RopeConfig
-from peagle_jax.config_fields import ACTIVATION_NAMES
+from peagle_jax.config.fields import ACTIVATION_NAMES
+from peagle_jax.config.target_config import RopeConfig
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -284,7 +284,7 @@ class Attention(nnx.Module):
         position a (`heads` [B, L, heads, D] before RoPE, position = index) and every deeper row
         the slot's (`slot_heads` [1, 1, heads, D]) at its reference position: `kernels.slot_attention`
         (the slot's keys are attended once per position, not once per row; exact for COD layouts,
-        see `kernels.slots`)."""
+        see `kernels.mask_slot`)."""
         q, k, v = heads
         b, length = q.shape[:2]
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (b, length))

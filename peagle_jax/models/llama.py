@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from peagle_jax.config import TargetConfig
+from peagle_jax.config.target_config import TargetConfig
 from peagle_jax.models import family as fam
 
 

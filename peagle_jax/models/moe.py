@@ -27,7 +27,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import kernels
-from peagle_jax.config import TargetConfig
+from peagle_jax.config.target_config import TargetConfig
 from peagle_jax.models.layers import ACTIVATIONS, Linear
 from peagle_jax.models.rows import rows_sharding
 

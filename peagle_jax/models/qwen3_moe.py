@@ -10,7 +10,7 @@ router as `mlp.gate.weight` [E, H]; the loader stacks the experts into [E, in, o
 
 from __future__ import annotations
 
-from peagle_jax.config import TargetConfig
+from peagle_jax.config.target_config import TargetConfig
 from peagle_jax.models import family as fam
 
 

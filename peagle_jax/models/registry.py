@@ -8,8 +8,8 @@ from __future__ import annotations
 import importlib
 from pathlib import Path
 
-from peagle_jax.config import TargetConfig
-from peagle_jax.config_fields import TARGET_FIELDS, ConfigError, check_attention, check_fields, read_json
+from peagle_jax.config.fields import TARGET_FIELDS, ConfigError, check_attention, check_fields, read_json
+from peagle_jax.config.target_config import TargetConfig
 from peagle_jax.models.family import Family
 
 FAMILY_MODULES = ("llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss")

@@ -8,7 +8,7 @@ import importlib.util
 
 import pytest
 
-from peagle_jax.plan.devices import deviceless_env
+from peagle_jax.hardware.devices import deviceless_env
 
 if importlib.util.find_spec("libtpu") and importlib.util.find_spec("jax_plugins.xla_cuda12"):
     deviceless_env()  # only here: the main venv's tests keep their own platform
@@ -19,6 +19,6 @@ else:  # pragma: no cover - the CPU-only venv
 @pytest.fixture(scope="session")
 def topologies():
     """{platform: topology devices}: one H100 host of 8 GPUs, one v5e-8 slice."""
-    from peagle_jax.plan.devices import parse_device, topology_devices
+    from peagle_jax.hardware.devices import parse_device, topology_devices
 
     return {"cuda": topology_devices(parse_device("h100x8")), "tpu": topology_devices(parse_device("v5e-8"))}

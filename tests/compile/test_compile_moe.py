@@ -10,10 +10,10 @@ import jax.numpy as jnp
 
 import kernels
 from kernels.limits import on_device
+from peagle_jax.handles.target import target_apply
+from peagle_jax.hardware.devices import parse_device
 from peagle_jax.models import moe as moe_mod
 from peagle_jax.models.presets import target_config
-from peagle_jax.plan.devices import parse_device
-from peagle_jax.target import target_apply
 from plan.programs import abstract_target, compile_program, mesh_of
 
 BATCH = 64

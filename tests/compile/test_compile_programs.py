@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from kernels.limits import on_device
+from peagle_jax.hardware.devices import parse_device
 from peagle_jax.models.presets import target_config
-from peagle_jax.plan.devices import parse_device
 from plan.programs import abstract_target, compile_program, mesh_of
 from plan.run import MODES, job_programs
 

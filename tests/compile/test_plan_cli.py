@@ -49,7 +49,7 @@ def test_a_config_only_folder_compiles_and_fits(tmp_path):
 def test_a_slice_compiles_on_the_hosts_cloud_tpu_gives_it(name, hosts):
     """libtpu lays a topology out as 2x2 chips a host unless told: a v5e-8 / v6e-8 (one 8-chip
     machine) would be planned as two hosts."""
-    from peagle_jax.plan.devices import parse_device, topology_devices
+    from peagle_jax.hardware.devices import parse_device, topology_devices
 
     device = parse_device(name)
     devices = topology_devices(device)

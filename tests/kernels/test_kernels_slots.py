@@ -10,7 +10,7 @@ import pytest
 
 import kernels
 from kernels.layouts import cod_layout, pad_layout
-from kernels.slots import check_layout, slot_attention
+from kernels.mask_slot import check_layout, slot_attention
 
 HQ, HKV, D = 4, 2, 16
 

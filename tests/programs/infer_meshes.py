@@ -21,7 +21,7 @@ import jax
 import peagle_jax as pj
 from infer.__main__ import main as infer_main
 from peagle_jax.engine import Engine, SamplingParams, Slots, row_key
-from peagle_jax.sharding import make_mesh
+from peagle_jax.runtime.sharding import make_mesh
 
 K = 3
 

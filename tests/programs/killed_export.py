@@ -6,7 +6,7 @@ import os
 import signal
 import sys
 
-import peagle_jax.folders as folders
+import peagle_jax.runtime.folders as folders
 from peagle_jax.formats.convert import main as convert_main
 
 

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 
-from peagle_jax.distributed import DistConfig, setup
+from peagle_jax.runtime.distributed import DistConfig, setup
 
 process, port = int(sys.argv[1]), sys.argv[2]
 setup(DistConfig(f"127.0.0.1:{port}", num_processes=2, process_id=process, heartbeat_timeout=20), shutdown_timeout=60)

@@ -12,7 +12,7 @@ import numpy as np
 import peagle_jax as pj
 from peagle_jax.engine import SpeculativeDecoder
 from peagle_jax.engine import speculative as sp
-from peagle_jax.sharding import device_mesh
+from peagle_jax.runtime.sharding import device_mesh
 from train.data import Example
 from train.flags import parse_args
 from train.step import batch_arrays

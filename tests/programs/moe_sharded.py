@@ -12,7 +12,7 @@ import numpy as np
 
 import peagle_jax as pj
 from peagle_jax.engine import SpeculativeDecoder
-from peagle_jax.sharding import make_mesh
+from peagle_jax.runtime.sharding import make_mesh
 
 
 def main(argv: list[str]) -> int:

@@ -1,6 +1,6 @@
 """`python tests/programs/page_faults.py MODE`: allocates, fills and frees a 64 MB block four
 times (what an XLA call does with its temporaries) and prints the most minor page faults any
-allocation after the first took. MODE `reuse` calls `peagle_jax.host.reuse_freed_memory` first;
+allocation after the first took. MODE `reuse` calls `peagle_jax.runtime.host.reuse_freed_memory` first;
 `default` keeps glibc's allocator settings."""
 
 import ctypes
@@ -8,7 +8,7 @@ import ctypes.util
 import resource
 import sys
 
-from peagle_jax.host import reuse_freed_memory
+from peagle_jax.runtime.host import reuse_freed_memory
 
 
 def main(argv: list[str]) -> int:

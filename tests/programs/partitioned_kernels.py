@@ -15,7 +15,7 @@ import kernels
 from kernels import decode
 from kernels.layouts import cod_layout
 from kernels.partition import local_rows
-from peagle_jax.sharding import kernels_partitioned, make_mesh
+from peagle_jax.runtime.sharding import kernels_partitioned, make_mesh
 
 
 def peagle_case(rng, B=4, n=40, Hq=4, Hkv=2, D=16):

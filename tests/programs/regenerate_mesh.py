@@ -12,7 +12,7 @@ import jax
 
 import peagle_jax as pj
 from peagle_jax.engine import SpeculativeDecoder
-from peagle_jax.sharding import device_mesh
+from peagle_jax.runtime.sharding import device_mesh
 from train.data import synthetic_conversations
 from train.regenerate import regenerate
 

@@ -7,8 +7,8 @@ import signal
 import sys
 import time
 
-from peagle_jax.cli import terminate_as_interrupt
-from peagle_jax.folders import atomic_folder
+from peagle_jax.runtime.command_line import terminate_as_interrupt
+from peagle_jax.runtime.folders import atomic_folder
 
 
 def main(argv: list[str]) -> int:

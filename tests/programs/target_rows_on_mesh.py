@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import peagle_jax as pj
 from peagle_jax.models.rows import rows_sharded
-from peagle_jax.sharding import device_mesh
+from peagle_jax.runtime.sharding import device_mesh
 from train.data import Example
 from train.flags import parse_args
 from train.step import batch_arrays, features

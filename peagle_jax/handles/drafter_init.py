@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from peagle_jax.drafter_config import DrafterConfig
+from peagle_jax.config.drafter_config import DrafterConfig
 
 __all__ = ["target_layer_arrays"]
 

@@ -11,8 +11,8 @@ import dataclasses
 
 import numpy as np
 
-from peagle_jax.config import NUM_AUX, RopeConfig, validate_aux_layer_ids
-from peagle_jax.config_fields import ACTIVATION_NAMES, LAYER_TYPES, ConfigError
+from peagle_jax.config.fields import ACTIVATION_NAMES, LAYER_TYPES, ConfigError
+from peagle_jax.config.target_config import NUM_AUX, RopeConfig, validate_aux_layer_ids
 
 DRAFTER_MODES = ("parallel", "chain", "dflash")
 

@@ -28,18 +28,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from peagle_jax.cli import one_line
-from peagle_jax.config import TargetConfig, validate_aux_layer_ids
-from peagle_jax.config_fields import GENERATION_FIELDS, ConfigError, check_fields, read_json
-from peagle_jax.dummy import LOAD_FORMATS, dummy_params
+from peagle_jax.config.fields import GENERATION_FIELDS, ConfigError, check_fields, read_json
+from peagle_jax.config.target_config import TargetConfig, validate_aux_layer_ids
 from peagle_jax.engine import cache as kv
 from peagle_jax.formats import refuse_head
-from peagle_jax.hub import resolve
 from peagle_jax.models.decoder import DecoderOutput, embedding_arrays
 from peagle_jax.models.presets import PRESETS, preset_fields
 from peagle_jax.models.registry import target_config
-from peagle_jax.sharding import shard_state
-from peagle_jax.weights import TOKENIZER_FILES, WeightsError, export_target, load_params
+from peagle_jax.runtime.command_line import one_line
+from peagle_jax.runtime.sharding import shard_state
+from peagle_jax.sources.dummy import LOAD_FORMATS, dummy_params
+from peagle_jax.sources.hub import resolve
+from peagle_jax.sources.weights import TOKENIZER_FILES, WeightsError, export_target, load_params
 
 __all__ = [
     "Target",
@@ -323,14 +323,14 @@ def load_target(
     seed: int = 0,
 ) -> Target:
     """Loads a Hugging Face folder (config.json + safetensors) as a `Target`; `path` may be a Hub id
-    ("org/name": downloaded once into the Hugging Face cache, `peagle_jax.hub`; a local folder of
+    ("org/name": downloaded once into the Hugging Face cache, `peagle_jax.sources.hub`; a local folder of
     that name wins).
 
-    load_format: "auto" reads the weights; "dummy" reads none (`peagle_jax.dummy`: random values
+    load_format: "auto" reads the weights; "dummy" reads none (`peagle_jax.sources.dummy`: random values
     of the right shapes and dtype made on the device from `seed`, as vLLM's `--load-format
     dummy`), and `path` may also be a preset name ("Llama-3.1-8B": `peagle_jax.models.presets`)
     or a folder with only config.json. `Target.load_format` says which.
-    mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` (see `peagle_jax.sharding.make_mesh`):
+    mesh: a (data, fsdp, tensor) `jax.sharding.Mesh` (see `peagle_jax.runtime.sharding.make_mesh`):
     the weights are placed on it by the sharding rule table (tensor parallel over `tensor`);
     the jitted entry points and the speculative engine then run sharded, unchanged.
 

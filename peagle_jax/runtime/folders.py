@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from peagle_jax.cli import signals_deferred, started
+from peagle_jax.runtime.command_line import signals_deferred, started
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -113,7 +113,7 @@ def apply_umask_modes(root: Path) -> None:
 def atomic_folder(out: str | os.PathLike) -> Iterator[Path]:
     """Yields a fresh temporary folder beside `out`; when the block succeeds it replaces
     `out` (an existing one is moved aside first, then deleted). On any error, Ctrl-C or
-    SIGTERM (see `cli.terminate_as_interrupt`) the temporary folder is removed; folders of
+    SIGTERM (see `command_line.terminate_as_interrupt`) the temporary folder is removed; folders of
     writers that were killed outright are removed by the next write to the same `out`."""
     dest = Path(out).absolute()
     started()

@@ -193,7 +193,7 @@ def starting_up(line: str) -> None:
 def started() -> None:
     """The command begins to write (a folder, a file): from here an interrupt unwinds, so the
     clean-ups on its way up run (a temporary removed, a checkpoint kept). The project's writers
-    (`peagle_jax.folders`) call it; a no-op outside a command's start-up (the Python API)."""
+    (`peagle_jax.runtime.folders`) call it; a no-op outside a command's start-up (the Python API)."""
     with _phase:
         _starting.clear()
 

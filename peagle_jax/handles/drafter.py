@@ -1,6 +1,6 @@
 """The drafter handle users hold: `new_drafter`, `load_drafter`, `Drafter.save`.
 
-The network is `peagle_jax.models.drafter`; every checkpoint format (our own, vLLM's,
+The network is `peagle_jax.models.eagle`; every checkpoint format (our own, vLLM's,
 speculators') is `peagle_jax.formats.checkpoints`, which works on (config, arrays) and never sees
 this handle. Defaults chosen by `new_drafter` when not given (reported in the config):
 - `mask_token_id`: the target's `pad_token_id` when it has one, else `V - 1` (the last id,
@@ -21,13 +21,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from peagle_jax.config import dflash_aux_layer_ids, validate_aux_layer_ids
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.drafter_init import target_layer_arrays
-from peagle_jax.dtypes import dtype_name
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.dtypes import dtype_name
+from peagle_jax.config.target_config import dflash_aux_layer_ids, validate_aux_layer_ids
 from peagle_jax.formats import read_drafter, write_own
-from peagle_jax.hub import repo_id_of, resolve
-from peagle_jax.models.drafter import (
+from peagle_jax.handles.drafter_init import target_layer_arrays
+from peagle_jax.models.eagle import (
     DrafterModel,
     DrafterOutput,
     d2t_from_ids,
@@ -39,6 +38,7 @@ from peagle_jax.models.drafter import (
     state_from_arrays,
     t2d_from_d2t,
 )
+from peagle_jax.sources.hub import repo_id_of, resolve
 
 __all__ = ["Drafter", "DrafterConfig", "new_drafter", "head_config", "load_drafter"]
 
@@ -136,7 +136,7 @@ def load_drafter(path: str | os.PathLike, *, target=None, dtype=None) -> Drafter
     safetensors; see `peagle_jax.formats.checkpoints`). `target` (a Target) supplies embed_tokens for an
     EAGLE-3 chain head that ships none, and embed_tokens / lm_head for a DFlash head (speculators
     saves neither for a full vocabulary). `dtype` None = the checkpoint's own (imports: float32).
-    `path` may be a Hub id ("org/name", `peagle_jax.hub`; a local folder of that name wins)."""
+    `path` may be a Hub id ("org/name", `peagle_jax.sources.hub`; a local folder of that name wins)."""
     path = resolve(path, "head")
     embeddings = weights = None
     if target is not None:
@@ -180,7 +180,7 @@ def new_drafter(
     flags: norm_before_residual, norm_before_fc, fc_norm, norm_output, attention_bias,
     qk_norm, rope (a RopeConfig to use instead of the target's); DFlash: sliding_window_non_causal.
     init_layer: start layer 0 from this target layer (negative: from the end) instead of random
-    (`peagle_jax.drafter_init`: attention, MLP and norms carried over; P-EAGLE / EAGLE-3).
+    (`peagle_jax.handles.drafter_init`: attention, MLP and norms carried over; P-EAGLE / EAGLE-3).
     Mode "dflash": a block of `block_size` (B - 1 drafts a pass); `aux_layer_ids` None = DFlash's
     default context layers, one per head layer (`config.dflash_aux_layer_ids`); Qwen3 layers
     (q/k norms); embed_tokens is the target's raw embedding (no Gemma scale), as speculators

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from peagle_jax.config import TargetConfig
-from peagle_jax.dtypes import numpy_dtype
+from peagle_jax.config.dtypes import numpy_dtype
+from peagle_jax.config.target_config import TargetConfig
 from peagle_jax.models.layers import RMSNorm
-from peagle_jax.weights import abstract_model
+from peagle_jax.sources.weights import abstract_model
 
 __all__ = ["DUMMY_STD", "LOAD_FORMATS", "dummy_params"]
 
@@ -59,7 +59,7 @@ def _constants(graphdef, abstract) -> dict[tuple, float]:
 def dummy_params(cfg: TargetConfig, dtype="float32", seed: int = 0, mesh=None):
     """(graphdef, state) of the target Decoder of `cfg` with dummy weights in `dtype`; with a
     `mesh`, every leaf is made in place with the sharding rule table's sharding."""
-    from peagle_jax.sharding import state_shardings
+    from peagle_jax.runtime.sharding import state_shardings
 
     graphdef, abstract = abstract_model(cfg, numpy_dtype(dtype))
     constants = _constants(graphdef, abstract)

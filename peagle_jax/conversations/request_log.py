@@ -365,7 +365,7 @@ class RequestLog:
         target: str,
         max_shard_seconds: float | None = DEFAULT_SHARD_SECONDS,
     ):
-        from peagle_jax.folders import parse_size
+        from peagle_jax.runtime.folders import parse_size
 
         self.folder = Path(folder).absolute()
         self.target = target

@@ -33,9 +33,9 @@ import numpy as np
 from flax import nnx
 
 import kernels
-from peagle_jax.config import NUM_AUX
-from peagle_jax.drafter_config import DrafterConfig
-from peagle_jax.dtypes import numpy_dtype
+from peagle_jax.config.drafter_config import DrafterConfig
+from peagle_jax.config.dtypes import numpy_dtype
+from peagle_jax.config.target_config import NUM_AUX
 from peagle_jax.models.dflash import DFlashModel
 from peagle_jax.models.head import (  # noqa: F401 - the vocabulary helpers are re-exported
     DrafterOutput,
@@ -229,7 +229,7 @@ class DrafterModel(DraftHead):
         every deeper row the slot). With a `spec` whose `chain_depth` is >= 1, no cache or
         context and a blockwise backend, the rows must be the COD rows of that spec (a depth-0
         row's source is its anchor and its position; a deeper row's position is anchor + depth,
-        its depth <= chain_depth; `kernels.slots.check_layout`): layer 0 then attends the slot
+        its depth <= chain_depth; `kernels.mask_slot.check_layout`): layer 0 then attends the slot
         once per position (`Attention.attend_slots`), not once per row.
         """
         embeds = x = slot = None
@@ -333,7 +333,7 @@ def cod_rows_states(
     the path for long sequences); `chain_depth`: `kernels.AttentionSpec.chain_depth` (K - 1 for
     rows of depths < K: the kernels gather each row's chain instead of visiting its blocks).
     With "kernels" and chain_depth >= 1 the rows must be a COD layout of depths <= chain_depth
-    (`kernels.slots.check_layout`; `train.cod` and `kernels.layouts.cod_layout` make them): the
+    (`kernels.mask_slot.check_layout`; `train.cod` and `kernels.layouts.cod_layout` make them): the
     first layer then attends the mask slot once per position (`kernels.slot_attention`: 2L
     instead of N queries in its block loop), exact for such rows.
     """

@@ -37,10 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from peagle_jax.config import TargetConfig
-from peagle_jax.dtypes import numpy_dtype
-from peagle_jax.folders import INDEX_FILE, SINGLE_FILE, write_hf_folder
+from peagle_jax.config.dtypes import numpy_dtype
+from peagle_jax.config.target_config import TargetConfig
 from peagle_jax.models.registry import hf_config, key_map
+from peagle_jax.runtime.folders import INDEX_FILE, SINGLE_FILE, write_hf_folder
 
 # the files of a target folder besides config.json and weights, copied with it on export
 TOKENIZER_FILES = (

@@ -1,4 +1,4 @@
-"""Frozen target configurations: `TargetConfig`, `RopeConfig` (a head's: `peagle_jax.drafter_config`).
+"""Frozen target configurations: `TargetConfig`, `RopeConfig` (a head's: `peagle_jax.config.drafter_config`).
 
 One `TargetConfig` describes every supported decoder family; family differences are
 flags (norm offset, q/k norms, embedding scale, sliding layers, softcaps), so the
@@ -8,7 +8,7 @@ linear / llama3 / yarn RoPE in both the transformers v5 `rope_parameters` form a
 `rope_theta` + `rope_scaling` keys. The aux-layer convention (`default_aux_layer_ids`,
 `validate_aux_layer_ids`) lives here because targets, drafters and every reader share it.
 
-The config.json field specs and their checker are `peagle_jax.config_fields` (ConfigError and
+The config.json field specs and their checker are `peagle_jax.config.fields` (ConfigError and
 read_json are defined there and re-exported here).
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from peagle_jax.config_fields import (  # noqa: F401 - ConfigError and read_json are re-exported
+from peagle_jax.config.fields import (  # noqa: F401 - ConfigError and read_json are re-exported
     ROPE_FIELDS,
     ConfigError,
     check_fields,

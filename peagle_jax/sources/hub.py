@@ -14,7 +14,7 @@
 - `repo_id_of(folder)` gives the id back for a folder of that cache (a head records its target's
   id as the verifier); `cached(id)` finds a cached snapshot without any request.
 
-The library is imported on first use, so `import peagle_jax.hub` costs nothing.
+The library is imported on first use, so `import peagle_jax.sources.hub` costs nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from peagle_jax.cli import one_line
+from peagle_jax.runtime.command_line import one_line
 
 __all__ = [
     "HubError",
@@ -60,11 +60,11 @@ def is_repo_id(name, bare: bool = False) -> bool:
 def patterns(kind: str) -> list[str]:
     """The files a snapshot of `kind` holds: no other weights (.bin, original/, consolidated), no images."""
     if kind == "target":
-        from peagle_jax.weights import TOKENIZER_FILES  # here: importing this module stays free of JAX
+        from peagle_jax.sources.weights import TOKENIZER_FILES  # here: importing this module stays free of JAX
 
         return [*WEIGHTS, *TOKENIZER_FILES]
     if kind == "config":  # a target's shape and tokenizer without its weights (dummy weights)
-        from peagle_jax.weights import TOKENIZER_FILES
+        from peagle_jax.sources.weights import TOKENIZER_FILES
 
         return ["config.json", *TOKENIZER_FILES]
     if kind == "head":

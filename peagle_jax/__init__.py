@@ -10,6 +10,7 @@ _LAZY = {  # every name loads on first use: `import peagle_jax.runtime.command_l
     "load_drafter": "peagle_jax.handles.drafter",
     "Drafter": "peagle_jax.handles.drafter",
     "DrafterConfig": "peagle_jax.handles.drafter",
+    "make_mesh": "peagle_jax.runtime.sharding",
 }
 
 __all__ = [*_LAZY]

@@ -12,7 +12,7 @@ import jax
 
 import peagle_jax as pj
 from infer import SpeculativeDecoder
-from peagle_jax.runtime.sharding import make_mesh
+from peagle_jax import make_mesh  # the public name the README uses
 
 
 def main(argv: list[str]) -> int:

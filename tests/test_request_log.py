@@ -21,12 +21,12 @@ from peagle_jax.conversations.request_log import (
     Acceptance,
     Head,
     Request,
-    RequestLog,
     RequestLogError,
     read_info,
     read_requests,
     shard_files,
 )
+from peagle_jax.conversations.request_log_writer import RequestLog
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000.0
@@ -190,7 +190,7 @@ WRITER = textwrap.dedent(
     """
     import sys
     from test_request_log import chat
-    from peagle_jax.conversations.request_log import RequestLog
+    from peagle_jax.conversations.request_log_writer import RequestLog
 
     log = RequestLog(sys.argv[1], 2000, target="org/target", max_shard_seconds=None)
     i = 0
@@ -230,7 +230,7 @@ FULL_DISK = textwrap.dedent(
     """
     import resource, signal, sys
     from test_request_log import chat
-    from peagle_jax.conversations.request_log import RequestLog
+    from peagle_jax.conversations.request_log_writer import RequestLog
 
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
     log = RequestLog(sys.argv[1], 10**6, target="org/target")

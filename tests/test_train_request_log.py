@@ -15,7 +15,8 @@ from in_process import run_module
 
 import train.__main__ as entry
 from peagle_jax.conversations.chat import encode_prompt, encode_training
-from peagle_jax.conversations.request_log import Acceptance, Head, Request, RequestLog, shard_files
+from peagle_jax.conversations.request_log import Acceptance, Head, Request, shard_files
+from peagle_jax.conversations.request_log_writer import RequestLog
 from train.data import other_targets, synthetic_conversations
 from train.flags import parse_args
 from train.loop import load_data

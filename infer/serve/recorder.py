@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from peagle_jax.conversations.request_log import Acceptance, Head, Request, RequestLog
+from peagle_jax.conversations.request_log import Acceptance, Head, Request
+from peagle_jax.conversations.request_log_writer import RequestLog
 
 log = logging.getLogger("infer.serve")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")

@@ -15,7 +15,7 @@ _LAZY = {  # every name loads on first use: `python -m peagle_jax.formats.conver
     "export_vllm": "checkpoints",
     "read_drafter": "checkpoints",
     "read_drafter_config": "checkpoints",
-    "export_drafter": "convert",
+    "export_drafter": "conversion",
     "head_kind": "head_config",
     "read_speculators_config": "head_config",
     "read_vllm_config": "head_config",

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.serve_bench import free_port
@@ -142,20 +143,12 @@ def stream_chat(port: int, req: dict, res: dict | None = None, timeout: float = 
 def drive(port: int, requests: list[dict], clients: int, on_done) -> None:
     """Every request once, from `clients` threads each taking the next as it finishes one;
     `on_done(request, result)` is called under one lock."""
-    todo, lock = list(requests), threading.Lock()
+    lock = threading.Lock()
 
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                req = todo.pop(0)
-            res = stream_chat(port, req)
-            with lock:
-                on_done(req, res)
+    def one(req: dict) -> None:
+        res = stream_chat(port, req)
+        with lock:
+            on_done(req, res)
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(one, requests))

@@ -23,25 +23,23 @@ serving machinery's cost, not a head's speedup).
 from __future__ import annotations
 
 import argparse
-import datetime
 import http.client
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import jax
 import numpy as np
 
 import peagle_jax as pj
 from bench.command import command_line
+from bench.serve_setup import run_facts
 from infer import SpeculativeDecoder
 from peagle_jax.conversations.chat import encode_prompt
 from peagle_jax.engine import load_prompts
@@ -122,31 +120,20 @@ def stream_one(port: int, prompt, max_tokens: int, fields: dict | None = None) -
 
 
 def run_clients(port: int, prompts, clients: int, max_tokens, fields: dict | None = None) -> tuple[list[dict], float]:
-    """Every prompt once, from `clients` threads taking the next prompt as they finish one;
-    `max_tokens`: one for all, or one per prompt (then with `ignore_eos`: exactly that many); a
-    request that fails is a result {"error": why}."""
-    todo, results, lock = list(range(len(prompts))), [], threading.Lock()
+    """Every prompt once (results in prompt order), from `clients` threads taking the next prompt as
+    they finish one; `max_tokens`: one for all, or one per prompt (then with `ignore_eos`: exactly
+    that many); a request that fails is a result {"error": why}."""
 
-    def client():
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i = todo.pop(0)
-            n = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
-            try:
-                res = stream_one(port, prompts[i], n, fields)
-            except (OSError, http.client.HTTPException, RequestFailed) as e:
-                res = {"error": f"{type(e).__name__}: {e}"}
-            with lock:
-                results.append(res)
+    def one(i: int) -> dict:
+        n = max_tokens[i] if isinstance(max_tokens, list) else max_tokens
+        try:
+            return stream_one(port, prompts[i], n, fields)
+        except (OSError, http.client.HTTPException, RequestFailed) as e:
+            return {"error": f"{type(e).__name__}: {e}"}
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one, range(len(prompts))))
     return results, time.perf_counter() - start
 
 
@@ -263,7 +250,6 @@ def write(args, rows, raw) -> None:
     print("| " + " | ".join(columns) + " |")
     for r in rows:
         print("| " + " | ".join(map(str, r)) + " |")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     data = {
         "title": "Serving: continuous batching (python -m infer serve) vs static batched generate",
         "order": 60,
@@ -273,10 +259,7 @@ def write(args, rows, raw) -> None:
         f"(--rounds-per-step {args.rounds_per_step}) for every "
         f"client count; static: generate in batches of C.",
         "command": command_line("bench.serve_bench"),
-        "hardware": f"{platform.machine()}, {os.cpu_count()} cores, no accelerator; shared with other jobs",
-        "jax": jax.__version__,
-        "commit": commit.stdout.strip(),
-        "date": datetime.date.today().isoformat(),
+        **run_facts(),
         "columns": columns,
         "rows": rows,
         "notes": "",

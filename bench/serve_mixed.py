@@ -25,11 +25,8 @@ serving machinery's, not a head's speedup).
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -42,6 +39,7 @@ import numpy as np
 import peagle_jax as pj
 from bench.command import command_line
 from bench.serve_bench import free_port, run_clients, server_flags, start_server, stream_one, summary
+from bench.serve_setup import run_facts
 from infer import SpeculativeDecoder
 from peagle_jax.conversations.chat import encode_prompt
 from peagle_jax.engine import SamplingParams
@@ -214,7 +212,6 @@ def write(args, mixed: dict, stalls: dict, requests) -> None:
     ]
     for r in rows:
         print("| " + " | ".join(map(str, r)) + " |")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     data = {
         "title": "Serving mixed lengths, and a long prompt among decoding streams",
         "order": 61,
@@ -225,10 +222,7 @@ def write(args, mixed: dict, stalls: dict, requests) -> None:
         f"{args.stream_tokens} tokens, then a {args.long_prompt}-token prompt; one server of --max-batch "
         f"{args.max_batch} x --max-len {args.max_len}, --prefill-chunk {args.prefill_chunk}.",
         "command": command_line("bench.serve_mixed"),
-        "hardware": f"{platform.machine()}, {os.cpu_count()} cores, no accelerator; shared with other jobs",
-        "jax": jax.__version__,
-        "commit": commit.stdout.strip(),
-        "date": datetime.date.today().isoformat(),
+        **run_facts(),
         "columns": columns,
         "rows": rows,
         "notes": "",

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 
 from peagle_jax.runtime.command_line import UsageError, one_line
-from train.checks import TrainError
 from train.config import draft_vocab_size
+from train.target_checks import TrainError
 
 __all__ = ["adopt_head", "head_settings", "load_head"]
 

@@ -22,11 +22,13 @@ from train import config as C
 from train import data as D
 from train import distributed as dist
 from train.checkpoint import Checkpoints
-from train.checks import INT_MAX, TrainError, check_target, check_target_fits, foreign_out
+from train.checks import INT_MAX
 from train.evaluate import heldout_rounds
 from train.init_head import adopt_head
 from train.metrics import MetricsLog
+from train.path_checks import foreign_out
 from train.payoff import fastest_k, payoff
+from train.target_checks import TrainError, check_target, check_target_fits
 from train.trainer import Hook, TimeBudget, Trainer, total_steps
 
 __all__ = ["run", "TrainError", "serve_fields", "check_resume"]

@@ -31,12 +31,12 @@ from train import data as D
 from train import distributed as dist
 from train.blocks import block_arrays, block_stats, make_block_batch
 from train.checkpoint import Checkpoints
-from train.checks import TrainError, check_target
 from train.init_head import adopt_head, load_head
 from train.metrics import add_stats, stats_record, step_stats
 from train.optim import learning_rate, make_optimizer
 from train.spec import TrainSpec
 from train.step import TrainStep, batch_arrays, compute_parts, split_params
+from train.target_checks import TrainError, check_target
 
 __all__ = ["Trainer", "Hook", "TimeBudget", "TrainError", "total_steps", "head_flags"]
 

@@ -147,6 +147,27 @@ def load_drafter(path: str | os.PathLike, *, target=None, dtype=None) -> Drafter
     return Drafter.from_arrays(config, arrays, d, path=Path(path), where=f"{path}: ")
 
 
+def draft_ids(draft_vocab, token_counts, v: int) -> np.ndarray:
+    """The target ids of a head's draft vocabulary (`new_drafter`'s `draft_vocab`): all `v`, the
+    top-Vd of `token_counts`, or an explicit sorted array."""
+    if draft_vocab is None:
+        used = np.arange(v, dtype=np.int64)
+    elif isinstance(draft_vocab, (int, np.integer)) and not isinstance(draft_vocab, bool):
+        if token_counts is None:
+            if int(draft_vocab) != v:
+                raise ValueError("new_drafter: an int draft_vocab needs token_counts [V] to pick the ids")
+            used = np.arange(v, dtype=np.int64)
+        else:
+            if np.shape(token_counts) != (v,):
+                raise ValueError(f"new_drafter: token_counts has shape {np.shape(token_counts)}, expected ({v},)")
+            used = select_draft_vocab(token_counts, int(draft_vocab))
+    else:
+        used = np.asarray(draft_vocab, np.int64)
+        if used.ndim != 1 or used.size == 0 or np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= v:
+            raise ValueError(f"new_drafter: draft_vocab must be sorted unique ids in [0, {v})")
+    return used
+
+
 def new_drafter(
     target,
     num_layers: int = 1,
@@ -186,23 +207,7 @@ def new_drafter(
     (q/k norms); embed_tokens is the target's raw embedding (no Gemma scale), as speculators
     and vLLM give a DFlash head.
     """
-    tc = target.config
-    v = tc.vocab_size
-    if draft_vocab is None:
-        used = np.arange(v, dtype=np.int64)
-    elif isinstance(draft_vocab, (int, np.integer)) and not isinstance(draft_vocab, bool):
-        if token_counts is None:
-            if int(draft_vocab) != v:
-                raise ValueError("new_drafter: an int draft_vocab needs token_counts [V] to pick the ids")
-            used = np.arange(v, dtype=np.int64)
-        else:
-            if np.shape(token_counts) != (v,):
-                raise ValueError(f"new_drafter: token_counts has shape {np.shape(token_counts)}, expected ({v},)")
-            used = select_draft_vocab(token_counts, int(draft_vocab))
-    else:
-        used = np.asarray(draft_vocab, np.int64)
-        if used.ndim != 1 or used.size == 0 or np.any(np.diff(used) <= 0) or used[0] < 0 or used[-1] >= v:
-            raise ValueError(f"new_drafter: draft_vocab must be sorted unique ids in [0, {v})")
+    used = draft_ids(draft_vocab, token_counts, target.config.vocab_size)
     config = head_config(
         target,
         num_layers,

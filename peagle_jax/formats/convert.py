@@ -124,10 +124,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser, metavar="COMMAND")
 
-    defaults = DefaultsFormatter
+    for add in (_add_export, _add_import, _add_inspect, _add_target_commands):
+        add(sub)
+    return parser
+
+
+def _add_export(sub) -> None:
+    """`export`: a head -> a vLLM-native or speculators folder."""
     p = sub.add_parser(
         "export",
-        formatter_class=defaults,
+        formatter_class=DefaultsFormatter,
         help="our drafter checkpoint -> vLLM-native or speculators folder",
         description="Our drafter checkpoint (or any folder load_drafter reads) -> config.json + "
         "model.safetensors in the vLLM-native EAGLE-3 layout (serve with parallel_drafting: true) "
@@ -176,9 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT folder")
     p.add_argument("--force", action="store_true", help="write even when inspect reports problems")
 
+
+def _add_import(sub) -> None:
+    """`import`: a vLLM-native / speculators folder -> our checkpoint."""
     p = sub.add_parser(
         "import",
-        formatter_class=defaults,
+        formatter_class=DefaultsFormatter,
         help="vLLM-native / speculators folder -> our drafter checkpoint",
         description="A vLLM-native EAGLE-3 / P-EAGLE folder (midlayer.* or layers.0.*, with or "
         "without attention bias, draft vocab with d2t), a DFlash folder (DFlashDraftModel) or a speculators "
@@ -203,9 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT checkpoint")
     p.add_argument("--force", action="store_true", help="import even when inspect reports problems")
 
+
+def _add_inspect(sub) -> None:
+    """`inspect`: the lint of a head folder."""
     p = sub.add_parser(
         "inspect",
-        formatter_class=defaults,
+        formatter_class=DefaultsFormatter,
         help="describe a drafter folder and list what would break vLLM",
         description="What a drafter folder is (format, mode, layers, vocab sizes, mask id, aux ids, "
         "K hints) and every problem that would stop vLLM or silently degrade it, for one vLLM release "
@@ -229,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
+
+def _add_target_commands(sub) -> None:
+    """`export-target` / `import-target`: a target's round trip."""
     round_trip = (
         " Both target commands run the same round trip: the folder is loaded as load_target does "
         "(every tensor consumed, every shape checked), then written back by this project "
@@ -240,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("export-target", "a target's HF folder -> the plain HF layout, written by this project"),
         ("import-target", "a target's HF folder -> validated and normalised by this project"),
     ):
-        p = sub.add_parser(name, help=text, description=text + "." + round_trip, formatter_class=defaults)
+        p = sub.add_parser(name, help=text, description=text + "." + round_trip, formatter_class=DefaultsFormatter)
         p.add_argument("src", metavar="SRC_HF", help="Hugging Face model folder, or a Hub id (org/name)")
         p.add_argument("out", metavar="OUT", help="output folder")
         p.add_argument(
@@ -256,7 +271,6 @@ def build_parser() -> argparse.ArgumentParser:
             help="shard above this size",
         )
         p.add_argument("--overwrite", action="store_true", help="replace an existing OUT folder")
-    return parser
 
 
 def _run(args) -> int:

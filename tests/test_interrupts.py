@@ -183,7 +183,14 @@ def test_every_cli_interrupted_while_starting(tmp_path, cli):
 
 @pytest.mark.parametrize(
     "module",
-    ["train.__main__", "infer.__main__", "peagle_jax.formats", "peagle_jax.convert", "peagle_jax.plan.__main__"],
+    [
+        "train.__main__",
+        "infer.__main__",
+        "peagle_jax.formats",
+        "peagle_jax.convert",
+        "peagle_jax.plan",
+        "peagle_jax.sources.assets",
+    ],
 )
 def test_a_command_line_loads_no_library_before_its_handlers(module):
     """What runs before a command's `main` installs its handlers (its module and the packages

@@ -100,20 +100,6 @@ def connection(server, timeout: float = HANG_S) -> http.client.HTTPConnection:
     return http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
 
 
-def closed_within(sock: socket.socket, seconds: float) -> tuple[bool, bytes]:
-    """(whether the server closed the connection within `seconds`, what it sent first)."""
-    sock.settimeout(seconds)
-    got = b""
-    try:
-        while chunk := sock.recv(65536):
-            got += chunk
-        return True, got
-    except TimeoutError:
-        return False, got
-    except ConnectionResetError:
-        return True, got
-
-
 def request(server, method: str, path: str, body=None, headers=None, timeout: float = HANG_S):
     """(status, headers, text) of one HTTP request (the server's own headers, then `headers`);
     a dict body is sent as JSON."""

@@ -12,8 +12,9 @@ import socket
 import time
 
 import pytest
-from serve_support import ServerProcess, closed_within, request, tiny_assets
+from serve_support import ServerProcess, request, tiny_assets
 
+from bench.probe_client import closed_within
 from infer.serve.server import open_warning
 
 openai = pytest.importorskip("openai")

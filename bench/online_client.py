@@ -15,10 +15,10 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench.serve_bench import free_port
+from bench.serve_setup import map_in_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "online-loop"  # the --served-model-name the clients send
@@ -150,5 +150,4 @@ def drive(port: int, requests: list[dict], clients: int, on_done) -> None:
         with lock:
             on_done(req, res)
 
-    with ThreadPoolExecutor(clients) as pool:
-        list(pool.map(one, requests))
+    map_in_threads(one, requests, clients)

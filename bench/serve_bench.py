@@ -32,14 +32,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 
 import peagle_jax as pj
 from bench.command import command_line
-from bench.serve_setup import run_facts
+from bench.serve_setup import map_in_threads, run_facts
 from infer import SpeculativeDecoder
 from peagle_jax.conversations.chat import encode_prompt
 from peagle_jax.engine import load_prompts
@@ -132,8 +131,7 @@ def run_clients(port: int, prompts, clients: int, max_tokens, fields: dict | Non
             return {"error": f"{type(e).__name__}: {e}"}
 
     start = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        results = list(pool.map(one, range(len(prompts))))
+    results = map_in_threads(one, range(len(prompts)), clients)
     return results, time.perf_counter() - start
 
 

@@ -9,6 +9,8 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,3 +102,11 @@ def run_facts() -> dict:
         "date": datetime.date.today().isoformat(),
     }
     return facts | ({"uncommitted_changes": True} if dirty.stdout.strip() else {})
+
+
+def map_in_threads(fn: Callable, items: Iterable, threads: int) -> list:
+    """`fn` over `items` from `threads` client threads, each taking the next item as it finishes
+    one; the results in the items' order. A failure or an interrupt ends the call once the
+    requests in flight are done (`Executor.map` cancels the items not started)."""
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(fn, items))

@@ -1,6 +1,6 @@
 """The server's load benchmarks without running them: the soak's analysis on synthetic samples,
-GuideLLM's report read back, the CPU sampler, and both command lines' help (no GuideLLM, no
-network)."""
+GuideLLM's report read back, the CPU sampler, the client threads, and both command lines' help
+(no GuideLLM, no network)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from bench.guidellm_sweep import guidellm_figures, sent_requests
 from bench.proc_cpu import CpuSampler, cpu_seconds, descendants
+from bench.serve_setup import map_in_threads
 from bench.serve_soak import MIB, checks, gauge, rss_trend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -154,3 +156,28 @@ def test_cpu_sampler_reads_processes_and_windows():
     assert sampler.share(100.5, 102.5) == pytest.approx({"server_cores": 1.0, "client_cores": 0.2})
     assert sampler.share(100.0, 103.0) == pytest.approx({"server_cores": 2 / 3, "client_cores": 1 / 3})
     assert sampler.share(101.5, 102.5) == {"server_cores": None, "client_cores": None}
+
+
+def test_client_threads_keep_the_order_and_a_failure_cancels_what_did_not_start():
+    """Results in the items' order from at most `threads` at once; a failure (an interrupt) ends
+    the call with the requests in flight, not after every queued one has run."""
+    lock, running, most, started = threading.Lock(), [0], [0], []
+
+    def work(i):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            started.append(i)
+        time.sleep(0.01 if i < 40 else 0.05)
+        with lock:
+            running[0] -= 1
+        if i == 40:
+            raise KeyboardInterrupt
+        return i * i
+
+    assert map_in_threads(work, range(40), 3) == [i * i for i in range(40)]
+    assert most[0] == 3
+    started.clear()
+    with pytest.raises(KeyboardInterrupt):
+        map_in_threads(work, range(40, 240), 2)
+    assert len(started) < 10, len(started)  # 200 queued at 0.05 s each: all of them would take 5 s

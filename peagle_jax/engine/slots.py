@@ -7,10 +7,11 @@ call (rows in powers of two), into their own slots (`Engine.extend`: chunked pre
 `prefill_tokens` prompt tokens a call: about what a step verifies while a full batch decodes, so
 a long prompt never stalls the decoding slots for much more than a step, and up to
 `prefill_tokens`' share of the slots not decoding while the batch fills up (`budget`); a request
-whose prompt is done has its first token and decodes from the next `step` on. A step (`Engine.step`) runs the rows up to the last busy one, rounded up to a power of
-two; finished, free and still-prefilling rows are frozen (position -1). Every shape a call may
-take is in `shapes()`, so a server compiles them all before it serves (`warm_up`). Each row
-samples with its own settings and key: a request's tokens never depend on the other rows.
+whose prompt is done has its first token and decodes from the next `step` on. A step
+(`Engine.step`) runs the rows up to the last busy one, rounded up to a power of two; finished,
+free and still-prefilling rows are frozen (position -1). Every shape a call may take is in
+`shapes()`, so a server compiles them all before it serves (`warm_up`). Each row samples with its
+own settings and key: a request's tokens never depend on the other rows.
 
 Which slot holds what is kept here and only here (`holders`): whatever the caller admitted with a
 request (a server's job) comes back with that row's news, and leaves with it.
@@ -85,8 +86,9 @@ class Slots:
     `Engine` that keeps what a request may ask for (MAX_LOGPROBS log-probabilities, token counts
     for penalties). A step runs up to `rounds_per_step` rounds in one device loop, ending early
     after a round in which a row finished. A prefill call runs at most `prefill_tokens` prompt
-    tokens (rows x piece length), less while slots decode (`budget`). `abstract`: the state is only its shapes and shardings (nothing
-    allocated), for the plan to compile the slots' programs (`*_call`) for a device not here."""
+    tokens (rows x piece length), less while slots decode (`budget`). `abstract`: the state is
+    only its shapes and shardings (nothing allocated), for the plan to compile the slots' programs
+    (`*_call`) for a device not here."""
 
     def __init__(self, engine: Engine, batch: int, max_len: int, rounds_per_step: int = 1, *,
                  prefill_tokens: int | None = None, abstract: bool = False):  # fmt: skip

@@ -425,3 +425,30 @@ def test_speculators_aux_ids_default_to_the_verifiers(tmp_path):
     cfg["speculators_config"]["verifier"]["name_or_path"] = "org/elsewhere"
     (folder / "config.json").write_text(json.dumps(cfg))
     assert read_drafter(folder)[0].aux_layer_ids is None
+
+
+def test_a_heads_shapes_are_traced_once_and_each_caller_fills_its_own(monkeypatch):
+    """abstract_drafter traces the network once per config and dtype (loading, saving and
+    checking a head each ask for its shapes); a state one caller fills leaves the next one's as
+    shapes, and another dtype is traced apart."""
+    import jax
+    from head_folders import random_drafter
+
+    from peagle_jax.models import eagle
+    from peagle_jax.models.abstract import traced_network
+    from peagle_jax.models.eagle import abstract_drafter, flat_state
+
+    config = random_drafter().config
+    traced_network.cache_clear()
+    built = []
+    real = eagle.DrafterModel.__init__
+    monkeypatch.setattr(eagle.DrafterModel, "__init__", lambda self, *a, **k: (built.append(1), real(self, *a, **k)))
+    _, first = abstract_drafter(config)
+    path, var = next((p, v) for p, v in flat_state(first).items() if v.dtype == jnp.float32)
+    var.value = jnp.zeros(var.shape, var.dtype)  # filled in place, as a loader may
+    graphdef, second = abstract_drafter(config)
+    assert built == [1]
+    assert isinstance(flat_state(second)[path].value, jax.ShapeDtypeStruct)
+    assert flat_state(second)[path].shape == var.shape and graphdef == abstract_drafter(config)[0]
+    _, bf16 = abstract_drafter(config, "bfloat16")
+    assert built == [1, 1] and flat_state(bf16)[path].dtype == jnp.bfloat16

@@ -237,8 +237,10 @@ def test_bad_folders(built, tmp_path):
 def test_load_does_not_initialise_randomly(built, monkeypatch):
     """The Decoder is only ever constructed abstractly (under nnx.eval_shape) at load."""
     from peagle_jax.models import decoder
+    from peagle_jax.models.abstract import traced_network
 
     folder, _ = built("gemma3")
+    traced_network.cache_clear()  # an earlier load of the same config would have traced it already
     seen = []
     real = decoder.Decoder.__init__
 

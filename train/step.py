@@ -32,8 +32,8 @@ import optax
 from flax import nnx
 
 import kernels
-from peagle_jax.config.dtypes import numpy_dtype
 from peagle_jax.handles.target import target_apply
+from peagle_jax.models.abstract import abstract_module
 from peagle_jax.models.dflash import DFlashModel
 from peagle_jax.models.eagle import DrafterModel, cod_rows_states, flat_state, param_key
 from peagle_jax.models.rows import rows_sharded
@@ -93,10 +93,8 @@ def compute_parts(parts: Parts, config, compute_dtype: str, param_dtype: str) ->
     The loss stays float32 (`train.loss` upcasts the logits)."""
     if compute_dtype == param_dtype:
         return parts
-    cd, pd = numpy_dtype(compute_dtype), numpy_dtype(param_dtype)
     network = DFlashModel if config.mode == "dflash" else DrafterModel
-    model = nnx.eval_shape(lambda: network(config, dtype=cd, param_dtype=pd, rngs=nnx.Rngs(0)))
-    return Parts(nnx.split(model)[0], parts.template)
+    return Parts(abstract_module(network, config, compute_dtype, param_dtype)[0], parts.template)
 
 
 def features(target_def, target_state, tokens, positions, aux_layer_ids):

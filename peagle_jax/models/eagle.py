@@ -36,6 +36,7 @@ import kernels
 from peagle_jax.config.drafter_config import DrafterConfig
 from peagle_jax.config.dtypes import numpy_dtype
 from peagle_jax.config.target_config import NUM_AUX
+from peagle_jax.models.abstract import abstract_module
 from peagle_jax.models.dflash import DFlashModel
 from peagle_jax.models.head import (  # noqa: F401 - the vocabulary helpers are re-exported
     DrafterOutput,
@@ -355,10 +356,7 @@ def cod_rows_states(
 def abstract_drafter(config: DrafterConfig, dtype="float32"):
     """(graphdef, abstract state) of the config's network (a DrafterModel, or a DFlashModel for
     mode "dflash"): shapes only, nothing allocated."""
-    d = numpy_dtype(dtype)
-    network = DFlashModel if config.mode == "dflash" else DrafterModel
-    model = nnx.eval_shape(lambda: network(config, dtype=d, param_dtype=d, rngs=nnx.Rngs(0)))
-    return nnx.split(model)
+    return abstract_module(DFlashModel if config.mode == "dflash" else DrafterModel, config, dtype)
 
 
 def param_key(path: Sequence) -> str:

@@ -39,6 +39,7 @@ from flax import nnx
 
 from peagle_jax.config.dtypes import numpy_dtype
 from peagle_jax.config.target_config import TargetConfig
+from peagle_jax.models.abstract import abstract_module
 from peagle_jax.models.registry import hf_config, key_map
 from peagle_jax.runtime.folders import INDEX_FILE, SINGLE_FILE, write_hf_folder
 
@@ -144,9 +145,7 @@ def abstract_model(cfg: TargetConfig, dtype="float32"):
     """(graphdef, abstract state) of the target Decoder: shapes only, nothing allocated."""
     from peagle_jax.models.decoder import Decoder
 
-    d = numpy_dtype(dtype)
-    model = nnx.eval_shape(lambda: Decoder(cfg, dtype=d, param_dtype=d, rngs=nnx.Rngs(0)))
-    return nnx.split(model)
+    return abstract_module(Decoder, cfg, dtype)
 
 
 def _flat_params(state) -> dict[tuple, object]:

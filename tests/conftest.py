@@ -4,9 +4,12 @@ import hf_tiny
 import pytest
 import xla_env
 
+from peagle_jax.runtime.host import collect_less_often
+
 
 def pytest_configure(config):
     xla_env.configure()
+    collect_less_often()  # as the commands do: the workers trace thousands of programs
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from typing import TypeVar
 
+from peagle_jax.runtime.host import collect_less_often
+
 T = TypeVar("T")
 
 
@@ -324,6 +326,7 @@ def run(
     then), so is the work until it first writes (`started`): for a work whose interrupt has nothing
     to clean up before that (no child process to stop, no `finally` that must run)."""
     terminate_as_interrupt(starting or interrupted)  # before parsing: its imports take seconds
+    collect_less_often()  # every command traces programs (peagle_jax.runtime.host)
     try:
         return _run(argv, parse, work, failure_code, interrupted, starting is not None)
     finally:

@@ -189,6 +189,8 @@ def test_a_slow_body_is_408_and_a_vanishing_one_one_log_line(server):
 
 
 def test_idle_and_slow_heads_are_closed_and_the_connection_limit_holds(server):
+    # the lines this test makes: a head cut in pieces above may have ended by the timeout too
+    logged = len(log_lines(server, "sent no complete request head"))
     idle = [raw_socket(server) for _ in range(CONNECTIONS + 10)]
     slow = raw_socket(server)
     slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # a head that never ends
@@ -197,7 +199,8 @@ def test_idle_and_slow_heads_are_closed_and_the_connection_limit_holds(server):
     assert status == 503  # more connections than --max-connections: refused, not queued
     assert all(closed_within(s, 10 * CLIENT_TIMEOUT)[0] for s in [*idle, slow])
     assert request(server, "GET", "/health")[0] == 200
-    assert len(log_lines(server, "sent no complete request head")) == 1  # the slow one; idle ones are silent
+    new = log_lines(server, "sent no complete request head")[logged:]
+    assert len(new) == 1, new  # the slow one; idle ones are silent
 
 
 # ---------------------------------------------------------------- strict fields, metric labels
